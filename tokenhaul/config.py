@@ -1,0 +1,38 @@
+"""EngineConfig: one frozen, validated config passed down; run-time facts live in RuntimeInfo."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from tokenhaul.errors import TokenhaulError
+
+DTYPES = {"fp32": torch.float32, "float32": torch.float32, "bf16": torch.bfloat16, "bfloat16": torch.bfloat16}
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    model: str = "smollm2-135m"
+    device: str = "cpu"
+    dtype: str = "fp32"  # measured: fp32 — bf16 matmul is a slow path on this AVX2 CPU (MACHINE.md)
+    block_size: int = 16
+    kv_memory_gib: float = 1.0
+    num_kv_blocks: int | None = None  # overrides kv_memory_gib
+    max_num_batched_tokens: int = 512
+    max_num_seqs: int = 64
+    max_model_len: int = 8192
+    enable_prefix_caching: bool = True
+    threads: int | None = None
+
+    def __post_init__(self) -> None:
+        if self.dtype not in DTYPES:
+            raise TokenhaulError(f"unknown dtype '{self.dtype}' (choose from {', '.join(DTYPES)})")
+        if self.device.startswith("cuda") and not torch.cuda.is_available():
+            raise TokenhaulError("--device cuda requested but CUDA is not available")
+        if self.block_size <= 0 or self.max_num_batched_tokens <= 0 or self.max_num_seqs <= 0:
+            raise TokenhaulError("block_size, max_num_batched_tokens and max_num_seqs must be positive")
+
+    @property
+    def torch_dtype(self) -> torch.dtype:
+        return DTYPES[self.dtype]

@@ -1,0 +1,133 @@
+"""EngineCore: add_request / abort / step. Token ids in, token-id deltas out; no text, no HTTP.
+
+step() is schedule → prepare → forward → sample → update. An optional observer (the ledger) is
+told what each step did and how long each stage took; nothing here ever reads it back."""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Protocol
+
+import torch
+
+from tokenhaul.config import EngineConfig
+from tokenhaul.decoding.sampler import Sample, sample
+from tokenhaul.engine.request import Request
+from tokenhaul.engine.runner import ModelRunner
+from tokenhaul.engine.scheduler import Scheduler, SchedulerConfig
+from tokenhaul.errors import CapacityError
+from tokenhaul.kv.block_pool import BlockPool
+from tokenhaul.kv.cache import KVCache
+from tokenhaul.kv.prefix_cache import PrefixCache
+from tokenhaul.models.registry import Model
+from tokenhaul.sampling_params import SamplingParams
+
+
+@dataclass
+class RequestDelta:
+    request_id: str
+    new_token_ids: list[int]
+    finished: bool = False
+    finish_reason: str | None = None
+    samples: list[Sample] = field(default_factory=list)
+
+
+@dataclass
+class StepRecord:
+    """What one step did, for observers: timings per stage and the scheduled work."""
+
+    index: int
+    t_start: float
+    stage_seconds: dict[str, float]
+    chunks: list[tuple[str, int, int]]  # (request id, start position, tokens computed)
+    sampled: list[str]  # request ids that produced a token
+    preempted: list[str]
+    kv_blocks_used: int
+    kv_blocks_cached: int
+
+
+class StepObserver(Protocol):
+    def on_step(self, record: StepRecord) -> None: ...
+
+    def on_finish(self, request: Request) -> None: ...
+
+
+def kv_blocks_for(config: EngineConfig, model: Model) -> int:
+    c = model.config
+    per_block = KVCache.bytes_per_block(c.num_layers, config.block_size, c.num_kv_heads, c.head_dim,
+                                        config.torch_dtype)
+    return config.num_kv_blocks or max(1, int(config.kv_memory_gib * 2**30 // per_block))
+
+
+class EngineCore:
+    def __init__(self, config: EngineConfig, model: Model, observer: StepObserver | None = None) -> None:
+        self.config = config
+        self.model = model
+        self.observer = observer
+        c = model.config
+        num_blocks = kv_blocks_for(config, model)
+        self.kv = KVCache(c.num_layers, num_blocks, config.block_size, c.num_kv_heads, c.head_dim,
+                          config.torch_dtype, config.device)
+        self.pool = BlockPool(num_blocks, config.block_size)
+        self.prefix_cache = PrefixCache(self.pool, config.enable_prefix_caching)
+        max_len = min(config.max_model_len, c.max_position)
+        sched_cfg = SchedulerConfig(config.max_num_batched_tokens, config.max_num_seqs, max_len)
+        self.scheduler = Scheduler(sched_cfg, self.pool, self.prefix_cache)
+        self.runner = ModelRunner(model, self.kv, config.device)
+        self.num_steps = 0
+
+    @property
+    def max_model_len(self) -> int:
+        return self.scheduler.config.max_model_len
+
+    def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
+                    eos_token_ids: tuple[int, ...] = (), priority: int = 0) -> None:
+        """Queue a request; raises RequestError/CapacityError if it can never run."""
+        self.scheduler.add(Request(request_id, list(prompt_token_ids), params, tuple(eos_token_ids), priority))
+
+    def abort(self, request_id: str, reason: str = "abort") -> None:
+        """Finish a request now (client gone, stop string seen); its KV blocks are freed at once."""
+        req = self.scheduler.abort(request_id, reason)
+        if req is not None and self.observer:
+            self.observer.on_finish(req)
+
+    def has_unfinished(self) -> bool:
+        return self.scheduler.has_unfinished()
+
+    def step(self) -> list[RequestDelta]:
+        t0 = time.perf_counter()
+        sched = self.scheduler.schedule()
+        if not sched.chunks:
+            if self.scheduler.waiting and not self.scheduler.running:
+                raise CapacityError("no request can be scheduled: KV cache exhausted")
+            return []
+        t1 = time.perf_counter()
+        inp = self.runner.prepare(sched)
+        t2 = time.perf_counter()
+        logits = self.runner.forward(inp)
+        if logits.device.type == "cuda":
+            torch.cuda.synchronize()
+        t3 = time.perf_counter()
+        reqs = [c.request for c in inp.sample_chunks]
+        samples = sample(logits, reqs)
+        t4 = time.perf_counter()
+        by_id = {r.request_id: s for r, s in zip(reqs, samples)}
+        finished = self.scheduler.update(sched, {k: s.token for k, s in by_id.items()})
+        deltas = [RequestDelta(rid, [s.token], samples=[s]) for rid, s in by_id.items()]
+        done = {r.request_id: r for r in finished}
+        for d in deltas:
+            if d.request_id in done:
+                d.finished, d.finish_reason = True, done[d.request_id].finish_reason
+        t5 = time.perf_counter()
+        if self.observer:
+            self.observer.on_step(StepRecord(
+                self.num_steps, t0,
+                {"schedule": t1 - t0, "prepare": t2 - t1, "forward": t3 - t2, "sample": t4 - t3,
+                 "update": t5 - t4},
+                [(c.request.request_id, c.start, c.num_tokens) for c in sched.chunks],
+                list(by_id), sched.preempted, self.pool.num_used, self.pool.num_cached))
+            for r in finished:
+                self.observer.on_finish(r)
+        self.num_steps += 1
+        return deltas

@@ -1,0 +1,110 @@
+"""ModelRunner: scheduled chunks in, logits out. The only room that builds tensors for the model:
+token ids, positions, slot mapping and per-group key slots and masks (see layers/attention.py)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from tokenhaul.engine.scheduler import ScheduledChunk, SchedulerOutput
+from tokenhaul.kv.cache import KVCache
+from tokenhaul.layers.attention import AttentionMetadata, AttnGroup
+from tokenhaul.models.registry import Model
+
+
+@dataclass
+class ModelInput:
+    input_ids: torch.Tensor  # [T]
+    meta: AttentionMetadata
+    sample_rows: torch.Tensor  # [N] rows of the hidden states whose logits are sampled
+    sample_chunks: list[ScheduledChunk]  # the N chunks that sample, in row order
+
+
+class ModelRunner:
+    def __init__(self, model: Model, kv: KVCache, device: str | torch.device) -> None:
+        self.model = model
+        self.kv = kv
+        self.device = torch.device(device)
+        self.block_size = kv.block_size
+        self.window = model.config.sliding_window
+
+    def prepare(self, sched: SchedulerOutput) -> ModelInput:
+        """Order tokens decodes-first, then each prefill chunk; build metadata on the CPU, move once."""
+        for src, dst in sched.block_copies:
+            self.kv.copy_block(src, dst)
+        decodes = [c for c in sched.chunks if c.num_tokens == 1]
+        prefills = [c for c in sched.chunks if c.num_tokens > 1]
+        ids: list[int] = []
+        pos: list[int] = []
+        for c in decodes + prefills:
+            ids += c.request.token_slice(c.start, c.start + c.num_tokens)
+            pos += range(c.start, c.start + c.num_tokens)
+        positions = torch.tensor(pos, dtype=torch.long)
+        groups: list[AttnGroup] = []
+        slot_parts: list[torch.Tensor] = []
+        row = 0
+        sample_rows: list[int] = []
+        sample_chunks: list[ScheduledChunk] = []
+        single = len(decodes) + len(prefills) == 1
+        if decodes:
+            kv_len = torch.tensor([c.start + 1 for c in decodes])
+            slots = self._slots([c.request.block_ids for c in decodes], int(kv_len.max()))
+            slot_parts.append(slots[torch.arange(len(decodes)), kv_len - 1])
+            q_pos = (kv_len - 1)[:, None]  # [B, 1]
+            mask, local = self._masks(q_pos, slots.shape[1], kv_len)
+            idx = None if single or not prefills else torch.arange(len(decodes))
+            groups.append(AttnGroup(len(decodes), 1, idx, slots, mask, local))
+            for r, c in enumerate(decodes):
+                if c.samples:  # a 1-token chunk mid-prompt does not sample
+                    sample_rows.append(r)
+                    sample_chunks.append(c)
+            row = len(decodes)
+        for c in prefills:
+            end = c.start + c.num_tokens
+            slots = self._slots([c.request.block_ids], end)
+            slot_parts.append(slots[0, c.start:end])
+            q_pos = torch.arange(c.start, end)[None, :]
+            mask, local = self._masks(q_pos, end, torch.tensor([end]))
+            idx = None if single else torch.arange(row, row + c.num_tokens)
+            groups.append(AttnGroup(1, c.num_tokens, idx, slots, mask, local))
+            row += c.num_tokens
+            if c.samples:
+                sample_rows.append(row - 1)
+                sample_chunks.append(c)
+        dev = self.device
+        meta = AttentionMetadata(positions.to(dev), torch.cat(slot_parts).to(dev),
+                                 [self._to(g) for g in groups], len(ids))
+        return ModelInput(torch.tensor(ids, dtype=torch.long, device=dev), meta,
+                          torch.tensor(sample_rows, dtype=torch.long, device=dev), sample_chunks)
+
+    @torch.inference_mode()
+    def forward(self, inp: ModelInput) -> torch.Tensor:
+        """Run the model; return fp32 logits [N, vocab] for the sampling rows."""
+        hidden = self.model.forward(inp.input_ids, inp.meta, self.kv)
+        return self.model.compute_logits(hidden[inp.sample_rows])
+
+    def _slots(self, tables: list[list[int]], length: int) -> torch.Tensor:
+        """Flat cache slot of positions [0, length) for each block table → [B, length] (pad → 0)."""
+        nb = -(-length // self.block_size)
+        bt = torch.tensor([(t + [0] * nb)[:nb] for t in tables], dtype=torch.long)
+        p = torch.arange(length)
+        return bt[:, p // self.block_size] * self.block_size + p % self.block_size
+
+    def _masks(self, q_pos: torch.Tensor, kv_len_max: int, kv_len: torch.Tensor):
+        """Causal (and sliding-window) masks [B, 1, Q, L]; None where every key is visible."""
+        k = torch.arange(kv_len_max)
+        B, Q = q_pos.shape
+        full_visible = Q == 1 and bool((kv_len == kv_len_max).all())
+        mask = None if full_visible else (k[None, None, :] <= q_pos[:, :, None]).unsqueeze(1)
+        local = mask
+        if self.window is not None and int(q_pos.max()) >= self.window:
+            in_window = k[None, None, :] > q_pos[:, :, None] - self.window
+            causal = k[None, None, :] <= q_pos[:, :, None]
+            local = (in_window & causal).unsqueeze(1)
+        return mask, local
+
+    def _to(self, g: AttnGroup) -> AttnGroup:
+        dev = self.device
+        mv = (lambda t: None if t is None else t.to(dev))
+        return AttnGroup(g.batch, g.q_len, mv(g.token_index), g.kv_slots.to(dev), mv(g.mask), mv(g.mask_local))

@@ -1,0 +1,86 @@
+"""LLM: the offline Python API — `LLM(model=...).generate(prompts, SamplingParams(...))`."""
+
+from __future__ import annotations
+
+import itertools
+
+import torch
+
+from tokenhaul.config import EngineConfig
+from tokenhaul.engine.core import EngineCore
+from tokenhaul.errors import RequestError
+from tokenhaul.ledger.costs import ModelCosts
+from tokenhaul.ledger.ledger import Ledger
+from tokenhaul.models.catalog import DEFAULT_MODEL, resolve
+from tokenhaul.models.registry import load_model
+from tokenhaul.outputs import RequestOutput
+from tokenhaul.sampling_params import SamplingParams
+from tokenhaul.text.output_processor import OutputProcessor
+from tokenhaul.text.tokenizer import Tokenizer
+
+Prompt = str | list[int]
+
+
+class LLM:
+    def __init__(self, model: str = DEFAULT_MODEL, **engine_kwargs) -> None:
+        self.files = resolve(model)
+        self.config = EngineConfig(model=model, **engine_kwargs)
+        if self.config.threads:
+            torch.set_num_threads(self.config.threads)
+        self.tokenizer = Tokenizer.from_gguf(self.files.gguf_path, self.files.cache_dir, self.files.name)
+        self.model = load_model(self.files.gguf_path, self.config.torch_dtype, self.config.device,
+                                self.config.max_model_len)
+        self.core = EngineCore(self.config, self.model)
+        self.costs = ModelCosts.from_model(self.model, self.config.torch_dtype.itemsize)
+        self._ids = itertools.count()
+
+    def encode(self, prompt: Prompt) -> list[int]:
+        if isinstance(prompt, str):
+            if not prompt:
+                raise RequestError("prompt is empty")
+            return self.tokenizer.encode(prompt)
+        if not prompt:
+            raise RequestError("prompt is empty")
+        return list(prompt)
+
+    def generate(self, prompts: Prompt | list[Prompt],
+                 params: SamplingParams | list[SamplingParams] | None = None) -> list[RequestOutput]:
+        """Run every prompt through the engine core together; outputs in prompt order."""
+        if isinstance(prompts, str) or (isinstance(prompts, list) and prompts and isinstance(prompts[0], int)):
+            prompts = [prompts]
+        params = params or SamplingParams()
+        plist = params if isinstance(params, list) else [params] * len(prompts)
+        ledger = Ledger(self.costs)
+        self.core.observer = ledger
+        frontend = OutputProcessor(self.tokenizer, ledger)
+        eos = tuple(self.tokenizer.eos_token_ids)
+        ids = []
+        try:
+            for prompt, p in zip(prompts, plist):
+                rid = f"gen-{next(self._ids)}"
+                token_ids = self.encode(prompt)
+                self.core.add_request(rid, token_ids, p, eos)
+                frontend.add(rid, token_ids, p)
+                ids.append(rid)
+            while self.core.has_unfinished():
+                step = self.core.num_steps
+                _, stopped = frontend.process(self.core.step(), step)
+                for rid in stopped:
+                    self.core.abort(rid, "stop")
+        except BaseException:
+            for rid in ids:
+                self.core.abort(rid)
+            raise
+        finally:
+            self.core.observer = None
+        outs = [frontend.outputs[r] for r in ids]
+        for o in outs:
+            o.ledger = ledger
+        return outs
+
+    def chat(self, messages: list[dict] | list[list[dict]],
+             params: SamplingParams | None = None) -> list[RequestOutput]:
+        """Apply the model's chat template to one conversation or a list of them, then generate."""
+        convs = [messages] if messages and isinstance(messages[0], dict) else messages
+        prompts = [self.tokenizer.apply_chat_template(c) for c in convs]
+        return self.generate([self.tokenizer.encode(p, add_special_tokens=False) for p in prompts], params)

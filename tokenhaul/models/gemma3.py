@@ -1,0 +1,68 @@
+"""Gemma3 forward: QK-norm, sandwich norms, GeLU-tanh MLP, sliding-window local layers with their own
+RoPE base, scaled embeddings, optional final soft-capping."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from tokenhaul.kv.cache import KVCache
+from tokenhaul.layers.attention import AttentionMetadata, paged_attention
+from tokenhaul.layers.linear import Linear, fuse_rows, make_linear
+from tokenhaul.layers.norm import RMSNorm
+from tokenhaul.layers.rope import RotaryEmbedding
+from tokenhaul.models.config import ModelConfig
+
+
+class Gemma3Layer:
+    def __init__(self, cfg: ModelConfig, w: dict[str, torch.Tensor], i: int) -> None:
+        p = f"blk.{i}."
+        eps = cfg.norm_eps
+        self.sliding = cfg.is_sliding(i)
+        self.qkv: Linear = make_linear(
+            fuse_rows(w[p + "attn_q.weight"], w[p + "attn_k.weight"], w[p + "attn_v.weight"]))
+        self.o: Linear = make_linear(w[p + "attn_output.weight"])
+        self.gate_up: Linear = make_linear(fuse_rows(w[p + "ffn_gate.weight"], w[p + "ffn_up.weight"]))
+        self.down: Linear = make_linear(w[p + "ffn_down.weight"])
+        self.attn_norm = RMSNorm(w[p + "attn_norm.weight"], eps)
+        self.post_attn_norm = RMSNorm(w[p + "post_attention_norm.weight"], eps)
+        self.ffn_norm = RMSNorm(w[p + "ffn_norm.weight"], eps)
+        self.post_ffn_norm = RMSNorm(w[p + "post_ffw_norm.weight"], eps)
+        self.q_norm = RMSNorm(w[p + "attn_q_norm.weight"], eps)
+        self.k_norm = RMSNorm(w[p + "attn_k_norm.weight"], eps)
+
+
+class Gemma3Model:
+    def __init__(self, cfg: ModelConfig, w: dict[str, torch.Tensor], max_model_len: int) -> None:
+        self.config = cfg
+        self.embed = w["token_embd.weight"]
+        self.layers = [Gemma3Layer(cfg, w, i) for i in range(cfg.num_layers)]
+        self.norm = RMSNorm(w["output_norm.weight"], cfg.norm_eps)
+        self.lm_head: Linear = make_linear(w.get("output.weight", self.embed))
+        dev = self.embed.device
+        self.rope_global = RotaryEmbedding(cfg.head_dim, max_model_len, cfg.rope_theta, dev)
+        self.rope_local = RotaryEmbedding(cfg.head_dim, max_model_len, cfg.rope_theta_local, dev)
+        self.scale = cfg.query_scale or cfg.head_dim ** -0.5
+
+    def forward(self, input_ids: torch.Tensor, meta: AttentionMetadata, kv: KVCache) -> torch.Tensor:
+        """input_ids: [T] → final hidden states [T, hidden] (normed)."""
+        cfg = self.config
+        T = input_ids.shape[0]
+        h = self.embed[input_ids].float() * cfg.embed_scale
+        for i, layer in enumerate(self.layers):
+            rope = self.rope_local if layer.sliding else self.rope_global
+            x = layer.attn_norm(h)
+            q, k, v = layer.qkv(x).split([cfg.q_size, cfg.kv_size, cfg.kv_size], dim=-1)
+            q = rope(layer.q_norm(q.view(T, cfg.num_heads, cfg.head_dim)), meta.positions)
+            k = rope(layer.k_norm(k.view(T, cfg.num_kv_heads, cfg.head_dim)), meta.positions)
+            v = v.view(T, cfg.num_kv_heads, cfg.head_dim)
+            a = paged_attention(q, k, v, kv.k[i], kv.v[i], meta, self.scale, sliding=layer.sliding)
+            h = h + layer.post_attn_norm(layer.o(a))
+            gate, up = layer.gate_up(layer.ffn_norm(h)).chunk(2, dim=-1)
+            h = h + layer.post_ffn_norm(layer.down(F.gelu(gate, approximate="tanh") * up))
+        return self.norm(h)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        logits = self.lm_head(hidden).float()
+        cap = self.config.final_logit_softcap
+        return logits if cap is None else torch.tanh(logits / cap) * cap

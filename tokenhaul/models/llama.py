@@ -1,0 +1,60 @@
+"""Llama-family forward (SmolLM2, Llama, Qwen2 with QKV bias and untied output) over paged KV."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from tokenhaul.kv.cache import KVCache
+from tokenhaul.layers.attention import AttentionMetadata, paged_attention
+from tokenhaul.layers.linear import Linear, fuse_rows, make_linear
+from tokenhaul.layers.norm import RMSNorm
+from tokenhaul.layers.rope import RotaryEmbedding
+from tokenhaul.models.config import ModelConfig
+
+
+class LlamaLayer:
+    def __init__(self, cfg: ModelConfig, w: dict[str, torch.Tensor], i: int) -> None:
+        p = f"blk.{i}."
+        bias = None
+        if cfg.qkv_bias:
+            bias = torch.cat([w[p + "attn_q.bias"], w[p + "attn_k.bias"], w[p + "attn_v.bias"]])
+        self.qkv: Linear = make_linear(
+            fuse_rows(w[p + "attn_q.weight"], w[p + "attn_k.weight"], w[p + "attn_v.weight"]), bias)
+        self.o: Linear = make_linear(w[p + "attn_output.weight"])
+        self.gate_up: Linear = make_linear(fuse_rows(w[p + "ffn_gate.weight"], w[p + "ffn_up.weight"]))
+        self.down: Linear = make_linear(w[p + "ffn_down.weight"])
+        self.attn_norm = RMSNorm(w[p + "attn_norm.weight"], cfg.norm_eps)
+        self.ffn_norm = RMSNorm(w[p + "ffn_norm.weight"], cfg.norm_eps)
+
+
+class LlamaModel:
+    def __init__(self, cfg: ModelConfig, w: dict[str, torch.Tensor], max_model_len: int) -> None:
+        self.config = cfg
+        self.embed = w["token_embd.weight"]  # [vocab, hidden]
+        self.layers = [LlamaLayer(cfg, w, i) for i in range(cfg.num_layers)]
+        self.norm = RMSNorm(w["output_norm.weight"], cfg.norm_eps)
+        self.lm_head: Linear = make_linear(w.get("output.weight", self.embed))
+        self.rope = RotaryEmbedding(cfg.head_dim, max_model_len, cfg.rope_theta, self.embed.device)
+        self.scale = cfg.head_dim ** -0.5
+
+    def forward(self, input_ids: torch.Tensor, meta: AttentionMetadata, kv: KVCache) -> torch.Tensor:
+        """input_ids: [T] → final hidden states [T, hidden] (normed)."""
+        cfg = self.config
+        T = input_ids.shape[0]
+        h = self.embed[input_ids].float()
+        for i, layer in enumerate(self.layers):
+            x = layer.attn_norm(h)
+            q, k, v = layer.qkv(x).split([cfg.q_size, cfg.kv_size, cfg.kv_size], dim=-1)
+            q = self.rope(q.view(T, cfg.num_heads, cfg.head_dim), meta.positions)
+            k = self.rope(k.view(T, cfg.num_kv_heads, cfg.head_dim), meta.positions)
+            v = v.view(T, cfg.num_kv_heads, cfg.head_dim)
+            a = paged_attention(q, k, v, kv.k[i], kv.v[i], meta, self.scale, sliding=False)
+            h = h + layer.o(a)
+            gate, up = layer.gate_up(layer.ffn_norm(h)).chunk(2, dim=-1)
+            h = h + layer.down(F.silu(gate) * up)
+        return self.norm(h)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """hidden: [N, hidden] → logits [N, vocab] (fp32)."""
+        return self.lm_head(hidden).float()

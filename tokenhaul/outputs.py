@@ -1,0 +1,27 @@
+"""RequestOutput: what the front end hands to users (text, ids, reason, logprobs, ledger)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+
+@dataclass
+class TokenLogprob:
+    token_id: int
+    logprob: float
+    top: list[tuple[int, float]] | None = None
+
+
+@dataclass
+class RequestOutput:
+    request_id: str
+    prompt_token_ids: list[int]
+    token_ids: list[int] = field(default_factory=list)
+    text: str = ""
+    delta_text: str = ""  # text added by the latest update (streaming)
+    finished: bool = False
+    finish_reason: str | None = None
+    stop_reason: str | None = None  # the stop string matched, if any
+    logprobs: list[TokenLogprob] | None = None
+    ledger: Any = None  # tokenhaul.ledger.Ledger of the generate call, set by LLM.generate
