@@ -45,6 +45,8 @@ class StepRecord:
     preempted: list[str]
     kv_blocks_used: int
     kv_blocks_cached: int
+    kv_copy_tokens: int = 0  # token slots duplicated by copy-on-write this step
+    rejected_tokens: int = 0  # tokens computed then thrown away (rejected speculative drafts)
 
 
 class StepObserver(Protocol):
@@ -126,7 +128,8 @@ class EngineCore:
                 {"schedule": t1 - t0, "prepare": t2 - t1, "forward": t3 - t2, "sample": t4 - t3,
                  "update": t5 - t4},
                 [(c.request.request_id, c.start, c.num_tokens) for c in sched.chunks],
-                list(by_id), sched.preempted, self.pool.num_used, self.pool.num_cached))
+                list(by_id), sched.preempted, self.pool.num_used, self.pool.num_cached,
+                len(sched.block_copies) * self.pool.block_size))
             for r in finished:
                 self.observer.on_finish(r)
         self.num_steps += 1

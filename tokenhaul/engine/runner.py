@@ -105,6 +105,7 @@ class ModelRunner:
         return mask, local
 
     def _to(self, g: AttnGroup) -> AttnGroup:
-        dev = self.device
-        mv = (lambda t: None if t is None else t.to(dev))
-        return AttnGroup(g.batch, g.q_len, mv(g.token_index), g.kv_slots.to(dev), mv(g.mask), mv(g.mask_local))
+        def mv(t: torch.Tensor | None) -> torch.Tensor | None:
+            return None if t is None else t.to(self.device)
+
+        return AttnGroup(g.batch, g.q_len, mv(g.token_index), mv(g.kv_slots), mv(g.mask), mv(g.mask_local))

@@ -1,0 +1,151 @@
+"""Engine core on a tiny random model: batching, chunked prefill, preemption, prefix reuse, abort."""
+
+import pytest
+
+from tokenhaul.decoding.sampler import sample
+from tokenhaul.errors import CapacityError, RequestError
+from tokenhaul.sampling_params import SamplingParams
+
+GREEDY = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)
+
+
+def prompts(n, length=9, seed=1):
+    import random
+
+    rng = random.Random(seed)
+    return [[rng.randrange(1, 97) for _ in range(length + i % 5)] for i in range(n)]
+
+
+def run(core, ps, params=GREEDY):
+    for i, p in enumerate(ps):
+        core.add_request(f"r{i}", p, params)
+    out = {f"r{i}": [] for i in range(len(ps))}
+    while core.has_unfinished():
+        for d in core.step():
+            out[d.request_id] += d.new_token_ids
+    return [out[f"r{i}"] for i in range(len(ps))]
+
+
+def test_batch_equals_alone(tiny_core):
+    ps = prompts(8)
+    alone = [run(tiny_core(), [p])[0] for p in ps]
+    assert run(tiny_core(), ps) == alone
+    assert all(len(a) == 12 for a in alone)
+
+
+def test_chunked_prefill_same_output_and_budget(tiny_core):
+    ps = prompts(4, length=30)
+    ref = run(tiny_core(max_num_batched_tokens=512), ps)
+    core = tiny_core(max_num_batched_tokens=8)
+    for i, p in enumerate(ps):
+        core.add_request(f"r{i}", p, GREEDY)
+    out = {f"r{i}": [] for i in range(4)}
+    while core.has_unfinished():
+        for d in core.step():
+            out[d.request_id] += d.new_token_ids
+    assert [out[f"r{i}"] for i in range(4)] == ref
+
+
+def test_budget_is_respected(tiny_core):
+    core = tiny_core(max_num_batched_tokens=8)
+    for i, p in enumerate(prompts(3, length=20)):
+        core.add_request(f"r{i}", p, GREEDY)
+    while core.has_unfinished():
+        sched = core.scheduler.schedule()
+        assert 0 < sched.num_tokens <= 8
+        inp = core.runner.prepare(sched)
+        reqs = [c.request for c in inp.sample_chunks]
+        samples = sample(core.runner.forward(inp), reqs)
+        core.scheduler.update(sched, {r.request_id: s.token for r, s in zip(reqs, samples)})
+
+
+def test_new_requests_join_running_batch(tiny_core):
+    core = tiny_core()
+    core.add_request("a", prompts(1)[0], GREEDY)
+    core.step()
+    core.add_request("b", prompts(2)[1], GREEDY)
+    core.step()
+    running = {r.request_id for r in core.scheduler.running}
+    assert running == {"a", "b"}
+
+
+def test_preemption_keeps_output_and_frees_everything(tiny_core):
+    ps = prompts(6, length=10)
+    params = SamplingParams(max_tokens=20, temperature=0, ignore_eos=True)
+    ref = run(tiny_core(num_kv_blocks=256), ps, params)
+    core = tiny_core(num_kv_blocks=16)  # 16 blocks × 4 tokens: far less than 6 × 30 tokens
+    got = run(core, ps, params)
+    assert got == ref
+    assert core.scheduler.num_preemptions > 0
+    assert core.pool.num_used == 0 and core.pool.num_free == 16
+
+
+def test_seeded_sampling_survives_preemption(tiny_core):
+    ps = prompts(6, length=10)
+    params = SamplingParams(max_tokens=20, temperature=1.0, seed=42, ignore_eos=True)
+    ref = run(tiny_core(num_kv_blocks=256), ps, params)
+    core = tiny_core(num_kv_blocks=16)
+    assert run(core, ps, params) == ref
+    assert core.scheduler.num_preemptions > 0
+
+
+def test_abort_frees_blocks_at_once(tiny_core):
+    core = tiny_core()
+    core.add_request("a", prompts(1)[0], SamplingParams(max_tokens=50, temperature=0, ignore_eos=True))
+    for _ in range(3):
+        core.step()
+    assert core.pool.num_used > 0
+    core.abort("a")
+    assert core.pool.num_used == 0 and not core.has_unfinished()
+
+
+def test_request_that_can_never_fit_is_rejected(tiny_core):
+    core = tiny_core(num_kv_blocks=4)  # 16 tokens
+    with pytest.raises(CapacityError, match="KV blocks"):
+        core.add_request("big", list(range(1, 30)), GREEDY)
+    with pytest.raises(RequestError, match="empty"):
+        core.add_request("e", [], GREEDY)
+
+
+def test_prompt_longer_than_context(tiny_core):
+    core = tiny_core(max_model_len=32)
+    with pytest.raises(RequestError, match="context"):
+        core.add_request("long", list(range(1, 40)), GREEDY)
+
+
+class ChunkCounter:
+    def __init__(self):
+        self.tokens = {}
+
+    def on_step(self, record):
+        for rid, _, n in record.chunks:
+            self.tokens[rid] = self.tokens.get(rid, 0) + n
+
+    def on_finish(self, request):
+        pass
+
+
+def test_prefix_cache_computes_only_unshared_tokens(tiny_core):
+    core = tiny_core(block_size=4)
+    shared = prompts(1, length=20)[0]
+    a, b = shared + [5, 6], shared + [7, 8, 9]
+    cold = run(tiny_core(block_size=4, enable_prefix_caching=False), [b])[0]
+    run(core, [a])
+    core.observer = counter = ChunkCounter()
+    core.add_request("b", b, GREEDY)
+    out = []
+    while core.has_unfinished():
+        for d in core.step():
+            out += d.new_token_ids
+    assert out == cold
+    assert core.prefix_cache.hit_tokens == 20  # 5 full blocks of the shared 20 tokens
+    # prefill computed only the 3 unshared prompt tokens, then one token per decode step
+    assert counter.tokens["b"] == 3 + (GREEDY.max_tokens - 1)
+
+
+def test_priority_runs_first(tiny_core):
+    core = tiny_core(max_num_seqs=1)
+    core.add_request("low", prompts(1)[0], GREEDY, priority=5)
+    core.add_request("high", prompts(2)[1], GREEDY, priority=0)
+    core.step()
+    assert [r.request_id for r in core.scheduler.running] == ["high"]

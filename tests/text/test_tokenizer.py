@@ -1,0 +1,144 @@
+"""Tokenizer: GGUF build + cache, encode/decode, BOS, EOS ids, chat templates against transformers."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+
+from tokenhaul.errors import ModelError, RequestError
+from tokenhaul.models.catalog import is_installed, resolve
+from tokenhaul.text import tokenizer as tokenizer_mod
+from tokenhaul.text.tokenizer import Tokenizer, read_gguf_fields
+
+TEXTS = [
+    "Hello world",
+    " Hello  world\n\n",
+    "",
+    "你好 🙂 wörld — ⟁ Ꙭ",
+    "def f(x):\n\treturn x**2  # ok",
+    "<|im_start|>user\nhi<|im_end|>",
+    "<start_of_turn>user\nhi<end_of_turn>",
+]
+CONVERSATION = [
+    {"role": "system", "content": "You are terse."},
+    {"role": "user", "content": "Name a prime number. 🙂"},
+]
+
+
+def test_tiny_round_trip(tiny: Tokenizer) -> None:
+    for text in ["hello world", "é😀 x", ""]:
+        assert tiny.decode(tiny.encode(text)) == text
+    ids = tiny.encode("a<|im_end|>b")
+    assert tiny.backend.token_to_id("<|im_end|>") in ids
+    assert tiny.decode(ids) == "ab"
+    assert tiny.decode(ids, skip_special_tokens=False) == "a<|im_end|>b"
+    assert tiny.is_special(ids[1]) and not tiny.is_special(ids[0])
+
+
+def test_tiny_chat_template(tiny_factory) -> None:
+    tok = tiny_factory(
+        "{{ bos_token }}{% for m in messages %}{% if m.role == 'tool' %}{{ raise_exception('no tools') }}"
+        "{% endif %}<{{ m.role }}>{{ m.content | tojson }}{{ eos_token }}\n{% endfor %}"
+        "{% if add_generation_prompt %}<assistant>{% endif %}"
+    )
+    out = tok.apply_chat_template([{"role": "user", "content": "é"}])
+    assert out == '<|im_start|><user>"é"<|im_end|>\n<assistant>'
+    bare = tok.apply_chat_template([{"role": "user", "content": "x"}], add_generation_prompt=False)
+    assert bare == '<|im_start|><user>"x"<|im_end|>\n'
+    with pytest.raises(RequestError, match="no tools"):
+        tok.apply_chat_template([{"role": "tool", "content": "x"}])
+
+
+def test_tiny_sandboxed_template(tiny_factory) -> None:
+    tok = tiny_factory("{{ messages.__class__.__mro__ }}")
+    with pytest.raises(RequestError):
+        tok.apply_chat_template([])
+
+
+def test_no_template_is_a_request_error(tiny: Tokenizer) -> None:
+    with pytest.raises(RequestError, match="model tiny has no chat template"):
+        tiny.apply_chat_template([{"role": "user", "content": "hi"}])
+
+
+def test_not_a_gguf(tmp_path) -> None:
+    bad = tmp_path / "x.gguf"
+    bad.write_bytes(b"NOPE" + bytes(40))
+    with pytest.raises(ModelError):
+        read_gguf_fields(bad, {"tokenizer.ggml.bos_token_id"})
+
+
+@pytest.mark.real_model
+def test_gguf_fields_match_gguf_reader() -> None:
+    if not is_installed("smollm2-135m"):
+        pytest.skip("smollm2-135m not installed")
+    from gguf import GGUFReader
+
+    path = resolve("smollm2-135m").gguf_path
+    reader = GGUFReader(path)
+    keys = {k for k, f in reader.fields.items() if len(f.types) == 1 and not k.startswith("GGUF.")}
+    ours = read_gguf_fields(path, keys)
+    assert ours.keys() == keys
+    for k in keys:
+        assert ours[k] == pytest.approx(reader.fields[k].contents()), k
+
+
+@pytest.mark.real_model
+def test_build_then_cached_load(tmp_path, monkeypatch) -> None:
+    if not is_installed("smollm2-135m"):
+        pytest.skip("smollm2-135m not installed")
+    path = resolve("smollm2-135m").gguf_path
+    built = Tokenizer.from_gguf(path, tmp_path)
+    assert (tmp_path / "tokenizer.json").is_file() and (tmp_path / "tokenizer_meta.json").is_file()
+    monkeypatch.setattr(tokenizer_mod, "_build", lambda *a: pytest.fail("rebuilt despite the cache"))
+    t0 = time.perf_counter()
+    cached = Tokenizer.from_gguf(path, tmp_path)
+    assert time.perf_counter() - t0 < 2.0
+    assert cached.meta == built.meta and cached.vocab_size == built.vocab_size
+    assert cached.encode(TEXTS[3]) == built.encode(TEXTS[3])
+
+
+@pytest.mark.real_model
+def test_encode_matches_transformers(real_tok: Tokenizer, hf_tok) -> None:
+    hf = hf_tok(real_tok.name)
+    for text in TEXTS:
+        assert real_tok.encode(text) == hf(text).input_ids, text
+        assert real_tok.encode(text, add_special_tokens=False) == hf(text, add_special_tokens=False).input_ids
+
+
+@pytest.mark.real_model
+def test_round_trip_and_bos(real_tok: Tokenizer) -> None:
+    expected_bos = {"smollm2-135m": False, "gemma3-270m": True, "qwen2.5-coder-0.5b": False}
+    assert real_tok.add_bos is expected_bos[real_tok.name]
+    for text in TEXTS[:5]:
+        ids = real_tok.encode(text)
+        assert (ids[:1] == [real_tok.bos_token_id]) is real_tok.add_bos
+        assert real_tok.decode(ids) == text
+    assert real_tok.is_special(real_tok.eos_token_ids[0])
+    assert real_tok.vocab_size == {"smollm2-135m": 49152, "gemma3-270m": 262144}.get(real_tok.name, 151936)
+
+
+@pytest.mark.real_model
+def test_eos_ids(real_tok: Tokenizer) -> None:
+    eot = "<end_of_turn>" if real_tok.name == "gemma3-270m" else "<|im_end|>"
+    eot_id = real_tok.backend.token_to_id(eot)
+    assert eot_id is not None and eot_id in real_tok.eos_token_ids
+    assert len(set(real_tok.eos_token_ids)) == len(real_tok.eos_token_ids)
+
+
+@pytest.mark.real_model
+@pytest.mark.parametrize("alias", ["smollm2-135m", "qwen2.5-coder-0.5b"])
+def test_chat_template_matches_transformers(alias: str, real_toks, hf_tok) -> None:
+    tok, hf = real_toks(alias), hf_tok(alias)
+    for gen in (True, False):
+        for conv in (CONVERSATION, CONVERSATION[1:]):
+            ours = tok.apply_chat_template(conv, add_generation_prompt=gen)
+            theirs = hf.apply_chat_template(conv, add_generation_prompt=gen, tokenize=False)
+            assert ours == theirs
+    assert tok.apply_chat_template(CONVERSATION).endswith("<|im_start|>assistant\n")
+
+
+@pytest.mark.real_model
+def test_gemma_has_no_chat_template(real_toks) -> None:
+    with pytest.raises(RequestError, match="^model gemma3-270m has no chat template$"):
+        real_toks("gemma3-270m").apply_chat_template(CONVERSATION)

@@ -1,0 +1,255 @@
+"""Tokenizer: a `tokenizers` backend built once from a GGUF, cached as tokenizer.json; chat templates."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import mmap
+import os
+import struct
+from collections.abc import Iterator
+from dataclasses import asdict, dataclass
+from datetime import datetime
+from pathlib import Path
+from typing import Any
+
+import jinja2
+from gguf import GGUFValueType
+from jinja2.ext import loopcontrols
+from jinja2.sandbox import ImmutableSandboxedEnvironment
+from tokenizers import Tokenizer as Backend
+
+from tokenhaul.errors import ModelError, RequestError
+
+META_VERSION = 1
+END_OF_TURN_TOKENS = ("<|im_end|>", "<end_of_turn>", "<|endoftext|>", "<|eot_id|>", "<|eom_id|>")
+_GGUF_KEYS = {
+    "bos": "tokenizer.ggml.bos_token_id",
+    "eos": "tokenizer.ggml.eos_token_id",
+    "eot": "tokenizer.ggml.eot_token_id",
+    "eom": "tokenizer.ggml.eom_token_id",
+    "add_bos": "tokenizer.ggml.add_bos_token",
+    "add_eos": "tokenizer.ggml.add_eos_token",
+    "template": "tokenizer.chat_template",
+}
+_T = GGUFValueType
+_SCALARS = {
+    _T.UINT8: "B",
+    _T.INT8: "b",
+    _T.UINT16: "H",
+    _T.INT16: "h",
+    _T.UINT32: "I",
+    _T.INT32: "i",
+    _T.FLOAT32: "f",
+    _T.BOOL: "?",
+    _T.UINT64: "Q",
+    _T.INT64: "q",
+    _T.FLOAT64: "d",
+}
+
+
+def read_gguf_fields(path: Path, keys: set[str]) -> dict[str, Any]:
+    """Scalar and string metadata of a GGUF, arrays skipped, tensors never read (ms, not GGUFReader's s)."""
+    out: dict[str, Any] = {}
+    with path.open("rb") as f, mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as m:
+        magic, version, _, n_kv = struct.unpack_from("<4sIQQ", m, 0)
+        if magic != b"GGUF" or version not in (2, 3):
+            raise ModelError(f"{path}: not a little-endian GGUF v2/v3 file")
+        offs = 24
+
+        def string(o: int) -> tuple[str, int]:
+            (n,) = struct.unpack_from("<Q", m, o)
+            return m[o + 8 : o + 8 + n].decode("utf-8", errors="replace"), o + 8 + n
+
+        for _ in range(n_kv):
+            key, offs = string(offs)
+            (kind,) = struct.unpack_from("<I", m, offs)
+            offs += 4
+            if kind == GGUFValueType.STRING:
+                value, offs = string(offs)
+            elif kind == GGUFValueType.ARRAY:
+                elem, count = struct.unpack_from("<IQ", m, offs)
+                offs += 12
+                if elem == GGUFValueType.STRING:
+                    for _ in range(count):
+                        offs += 8 + struct.unpack_from("<Q", m, offs)[0]
+                else:
+                    offs += count * struct.calcsize(_SCALARS[GGUFValueType(elem)])
+                continue
+            else:
+                fmt = "<" + _SCALARS[GGUFValueType(kind)]
+                (value,) = struct.unpack_from(fmt, m, offs)
+                offs += struct.calcsize(fmt)
+            if key in keys:
+                out[key] = value
+    return out
+
+
+@dataclass(frozen=True)
+class TokenizerMeta:
+    """What the GGUF says beyond the vocabulary; cached beside tokenizer.json."""
+
+    bos_token_id: int | None
+    eos_token_ids: list[int]  # GGUF eos first, then end-of-turn tokens found in the vocabulary
+    add_bos: bool
+    add_eos: bool
+    chat_template: str | None
+    special_ids: list[int]
+    source: dict[str, int]  # size and mtime of the GGUF the cache was built from
+    version: int = META_VERSION
+
+
+class Tokenizer:
+    """Encode / decode / chat-template for one model; `backend` is the `tokenizers.Tokenizer`."""
+
+    def __init__(self, backend: Backend, meta: TokenizerMeta, name: str) -> None:
+        self.backend = backend
+        self.meta = meta
+        self.name = name
+        self.vocab_size: int = backend.get_vocab_size(with_added_tokens=True)
+        self.bos_token_id = meta.bos_token_id
+        self.eos_token_ids = list(meta.eos_token_ids)
+        self.add_bos = meta.add_bos
+        self.chat_template = meta.chat_template
+        self.special_ids = frozenset(meta.special_ids)
+        fallback = getattr(backend.model, "byte_fallback", False)
+        byte_ids = (backend.token_to_id(f"<0x{b:02X}>") for b in range(256)) if fallback else ()
+        # ids whose text is one raw byte: the decoder groups runs of them into UTF-8
+        self.byte_fallback_ids = frozenset(i for i in byte_ids if i is not None)
+        self._template: jinja2.Template | None = None
+
+    @classmethod
+    def from_gguf(cls, gguf_path: Path, cache_dir: Path, name: str | None = None) -> Tokenizer:
+        """Load from cache_dir; on first use (or if the GGUF changed) build with transformers and cache."""
+        gguf_path, cache_dir = Path(gguf_path), Path(cache_dir)
+        name = name or gguf_path.stem
+        st = gguf_path.stat()
+        source = {"size": st.st_size, "mtime_ns": st.st_mtime_ns}
+        json_path, meta_path = cache_dir / "tokenizer.json", cache_dir / "tokenizer_meta.json"
+        try:
+            meta = TokenizerMeta(**json.loads(meta_path.read_text()))
+            if meta.version == META_VERSION and meta.source == source:
+                return cls(Backend.from_file(str(json_path)), meta, name)
+        except Exception:  # missing, partial or stale cache: rebuild below
+            pass
+        backend, meta = _build(gguf_path, source)
+        cache_dir.mkdir(parents=True, exist_ok=True)
+        tmp = f".{os.getpid()}.tmp"
+        backend.save(str(json_path) + tmp)
+        os.replace(str(json_path) + tmp, json_path)
+        Path(str(meta_path) + tmp).write_text(json.dumps(asdict(meta)))
+        os.replace(str(meta_path) + tmp, meta_path)  # written last: marks the cache complete
+        return cls(backend, meta, name)
+
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        """Token ids of text; special-token strings in text become their ids; BOS/EOS as the GGUF says."""
+        ids = self.backend.encode(text, add_special_tokens=False).ids
+        if add_special_tokens:
+            if self.add_bos and self.bos_token_id is not None:
+                ids.insert(0, self.bos_token_id)
+            if self.meta.add_eos and self.eos_token_ids:
+                ids.append(self.eos_token_ids[0])
+        return ids
+
+    def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
+        return self.backend.decode(ids, skip_special_tokens=skip_special_tokens)
+
+    def is_special(self, token_id: int) -> bool:
+        return token_id in self.special_ids
+
+    def token_text(self, token_id: int | None) -> str:
+        """The vocabulary string of one id ('' for None or an unknown id)."""
+        return (self.backend.id_to_token(token_id) or "") if token_id is not None else ""
+
+    def apply_chat_template(
+        self, messages: list[dict], add_generation_prompt: bool = True, **variables: Any
+    ) -> str:
+        """Render messages with the model's template (sandboxed jinja2), as transformers does."""
+        if self.chat_template is None:
+            raise RequestError(f"model {self.name} has no chat template")
+        if self._template is None:
+            try:
+                self._template = _jinja_env().from_string(self.chat_template)
+            except jinja2.TemplateError as e:
+                raise ModelError(f"model {self.name}: chat template does not compile: {e}") from None
+        try:
+            return self._template.render(
+                messages=messages,
+                add_generation_prompt=add_generation_prompt,
+                bos_token=self.token_text(self.bos_token_id),
+                eos_token=self.token_text(self.eos_token_ids[0] if self.eos_token_ids else None),
+                **{"tools": None, "documents": None, **variables},
+            )
+        except jinja2.TemplateError as e:
+            raise RequestError(f"chat template of model {self.name}: {e}") from None
+
+
+def _raise_exception(message: str) -> None:
+    raise jinja2.TemplateError(message)
+
+
+def _tojson(x: Any, ensure_ascii: bool = False, indent: int | None = None, **kwargs: Any) -> str:
+    return json.dumps(x, ensure_ascii=ensure_ascii, indent=indent, **kwargs)
+
+
+def _jinja_env() -> jinja2.Environment:
+    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True, extensions=[loopcontrols])
+    env.filters["tojson"] = _tojson
+    env.globals["raise_exception"] = _raise_exception
+    env.globals["strftime_now"] = lambda fmt: datetime.now().strftime(fmt)
+    return env
+
+
+@contextlib.contextmanager
+def _offline() -> Iterator[None]:
+    """No hub access and no transformers chatter while building from a local GGUF."""
+    import huggingface_hub.constants as hub
+    from transformers.utils import logging as hf_logging
+
+    saved_env = {k: os.environ.get(k) for k in ("HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE")}
+    saved_flag, saved_level = hub.HF_HUB_OFFLINE, hf_logging.get_verbosity()
+    os.environ.update(HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1")
+    hub.HF_HUB_OFFLINE = True
+    hf_logging.set_verbosity_error()
+    try:
+        yield
+    finally:
+        for k, v in saved_env.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+        hub.HF_HUB_OFFLINE = saved_flag
+        hf_logging.set_verbosity(saved_level)
+
+
+def _build(gguf_path: Path, source: dict[str, int]) -> tuple[Backend, TokenizerMeta]:
+    """The slow path (seconds): transformers converts the GGUF vocabulary to a fast tokenizer."""
+    fields = read_gguf_fields(gguf_path, set(_GGUF_KEYS.values()))
+    get = {k: fields.get(key) for k, key in _GGUF_KEYS.items()}
+    with _offline():
+        from transformers import AutoTokenizer
+
+        try:
+            hf = AutoTokenizer.from_pretrained(str(gguf_path.parent), gguf_file=gguf_path.name)
+        except Exception as e:  # transformers raises many kinds for an unsupported vocabulary
+            why = (str(e).splitlines() or [type(e).__name__])[0]
+            raise ModelError(f"{gguf_path.name}: cannot build a tokenizer: {why}") from None
+    backend: Backend = hf.backend_tokenizer
+    added = backend.get_added_tokens_decoder()
+    special = sorted(i for i, tok in added.items() if tok.special)
+    special_set = set(special)
+    eos = [get[k] for k in ("eos", "eot", "eom") if get[k] is not None]
+    eos += [i for t in END_OF_TURN_TOKENS if (i := backend.token_to_id(t)) is not None and i in special_set]
+    bos = get["bos"]
+    add_bos = get["add_bos"] if get["add_bos"] is not None else getattr(hf, "add_bos_token", False)
+    meta = TokenizerMeta(
+        bos_token_id=int(bos) if bos is not None else None,
+        eos_token_ids=[int(i) for i in dict.fromkeys(eos)],
+        add_bos=bool(add_bos) and bos is not None,
+        add_eos=bool(get["add_eos"]),
+        chat_template=get["template"] or None,
+        special_ids=special,
+        source=source,
+    )
+    return backend, meta
