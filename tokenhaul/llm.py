@@ -27,9 +27,9 @@ class LLM:
         self.config = EngineConfig(model=model, **engine_kwargs)
         if self.config.threads:
             torch.set_num_threads(self.config.threads)
-        self.tokenizer = Tokenizer.from_gguf(self.files.gguf_path, self.files.cache_dir, self.files.name)
         self.model = load_model(self.files.gguf_path, self.config.torch_dtype, self.config.device,
-                                self.config.max_model_len)
+                                self.config.max_model_len)  # first: rejects unsupported architectures
+        self.tokenizer = Tokenizer.from_gguf(self.files.gguf_path, self.files.cache_dir, self.files.name)
         self.core = EngineCore(self.config, self.model)
         self.costs = ModelCosts.from_model(self.model, self.config.torch_dtype.itemsize)
         self._ids = itertools.count()

@@ -1,0 +1,25 @@
+# The two commands of the README: `make run` (install + main job) and `make test`.
+PY := .venv/bin/python
+PIP := $(PY) -m pip
+TH := .venv/bin/tokenhaul
+PROMPT ?= Write a haiku about moving parcels of data.
+TEST_MODELS := smollm2-135m gemma3-270m qwen2.5-coder-0.5b
+
+.venv/.installed: pyproject.toml
+	python3.11 -m venv .venv
+	$(PIP) install -q --upgrade pip
+	$(PIP) install -q -e '.[dev,bench]'
+	touch $@
+
+install: .venv/.installed
+	$(TH) models install smollm2-135m
+
+run: install
+	$(TH) generate --model smollm2-135m --prompt "$(PROMPT)" --max-tokens 64 --chat --ledger
+
+test: .venv/.installed
+	for m in $(TEST_MODELS); do $(TH) models install $$m || exit 1; done
+	$(PY) -m ruff check tokenhaul tests bench
+	$(PY) -m pytest -q
+
+.PHONY: install run test

@@ -1,0 +1,97 @@
+import pytest
+import torch
+
+from tokenhaul.decoding.sampler import apply_penalties, filter_logits, sample
+from tokenhaul.engine.request import Request
+from tokenhaul.errors import RequestError
+from tokenhaul.sampling_params import SamplingParams
+
+LOGITS = torch.tensor([1.0, 3.0, 2.0, 0.5, 2.9])
+
+
+def req(prompt=(1,), out=(), **kw):
+    r = Request("r", list(prompt), SamplingParams(**kw))
+    r.output_token_ids = list(out)
+    return r
+
+
+def draw(params: dict, n=300, logits=LOGITS):
+    r = req(**params)
+    return [sample(logits[None].clone(), [r])[0].token for _ in range(n)]
+
+
+def test_greedy_is_argmax():
+    assert draw({"temperature": 0}, 3) == [1, 1, 1]
+
+
+def test_top_k_top_p_min_p_restrict_support():
+    assert set(draw({"top_k": 2})) == {1, 4}
+    assert set(draw({"top_p": 0.01})) == {1}
+    assert set(draw({"min_p": 0.9})) == {1, 4}  # p(4) / p(1) = e^-0.1 ≈ 0.905
+    assert set(draw({"min_p": 0.95})) == {1}
+    assert set(draw({"top_k": 0})) == {0, 1, 2, 3, 4}
+
+
+def test_filter_logits_min_p_exact():
+    out = filter_logits(LOGITS.clone(), 0, 1.0, 0.5)
+    probs = torch.softmax(LOGITS, -1)
+    assert torch.equal(torch.isinf(out), probs < 0.5 * probs.max())
+
+
+def test_top_p_keeps_token_that_crosses_threshold():
+    probs = torch.softmax(LOGITS, -1)
+    top = probs.max().item()
+    out = filter_logits(LOGITS.clone(), 0, top + 1e-4, 0.0)
+    assert (~torch.isinf(out)).sum() == 2
+
+
+def test_seed_reproducible_and_distinct():
+    r1, r2 = req(seed=7), req(seed=7)
+    s1 = [sample(LOGITS[None].clone(), [r1])[0].token for _ in range(40)]
+    s2 = [sample(LOGITS[None].clone(), [r2])[0].token for _ in range(40)]
+    assert s1 == s2
+    r3 = req(seed=8)
+    assert s1 != [sample(LOGITS[None].clone(), [r3])[0].token for _ in range(40)]
+
+
+def test_temperature_sharpens():
+    cold = draw({"temperature": 0.05}, 200)
+    assert cold.count(1) > 150
+
+
+def test_repetition_penalty():
+    r = req(prompt=(1,), out=(3,), repetition_penalty=2.0)
+    out = apply_penalties(LOGITS.clone(), r)
+    assert out[1] == pytest.approx(1.5) and out[3] == pytest.approx(0.25) and out[2] == 2.0
+
+
+def test_presence_and_frequency_penalty():
+    r = req(out=(2, 2, 0), presence_penalty=0.5, frequency_penalty=0.25)
+    out = apply_penalties(LOGITS.clone(), r)
+    assert out[2] == pytest.approx(2.0 - 0.5 - 0.5) and out[0] == pytest.approx(1.0 - 0.5 - 0.25)
+    assert out[1] == 3.0
+
+
+def test_logprobs_chosen_and_top_n():
+    s = sample(LOGITS[None].clone(), [req(temperature=0, logprobs=3)])[0]
+    lp = torch.log_softmax(LOGITS, -1)
+    assert s.logprob == pytest.approx(lp[1].item())
+    assert [t for t, _ in s.top_logprobs] == [1, 4, 2]
+    assert s.top_logprobs[0][1] == pytest.approx(lp[1].item())
+
+
+def test_batch_rows_sampled_independently():
+    logits = torch.stack([LOGITS, LOGITS.flip(0)])
+    out = sample(logits, [req(temperature=0), req(temperature=0)])
+    assert [o.token for o in out] == [1, 3]
+
+
+@pytest.mark.parametrize("kw,msg", [
+    ({"max_tokens": 0}, "max_tokens"), ({"max_tokens": -3}, "max_tokens"), ({"top_p": 0.0}, "top_p"),
+    ({"top_p": 1.5}, "top_p"), ({"temperature": -1}, "temperature"), ({"min_p": 2}, "min_p"),
+    ({"top_k": -5}, "top_k"), ({"repetition_penalty": 0}, "repetition_penalty"), ({"logprobs": 50}, "logprobs"),
+])
+def test_bad_params_one_line_errors(kw, msg):
+    with pytest.raises(RequestError, match=msg) as e:
+        SamplingParams(**kw)
+    assert "\n" not in str(e.value)

@@ -1,0 +1,105 @@
+"""Bad input gives one clear line on stderr (exit 2), never a traceback; --json has its fields."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+
+import numpy as np
+import pytest
+
+from tokenhaul.cli import main
+from tokenhaul.models import catalog
+
+
+def run_cli(capsys, *argv) -> tuple[int, str, str]:
+    try:
+        main(list(argv))
+        code = 0
+    except SystemExit as e:
+        code = e.code
+    out, err = capsys.readouterr()
+    return code, out, err
+
+
+def assert_one_line_error(code, err, fragment):
+    assert code == 2
+    lines = [ln for ln in err.strip().splitlines() if ln]
+    assert len(lines) == 1 and lines[0].startswith("error:"), err
+    assert "Traceback" not in err and fragment in lines[0]
+
+
+def test_unknown_alias(capsys):
+    code, _, err = run_cli(capsys, "generate", "--model", "llama-9000", "--prompt", "hi")
+    assert_one_line_error(code, err, "unknown model 'llama-9000'")
+
+
+def test_not_a_gguf(capsys, tmp_path):
+    f = tmp_path / "weights.gguf"
+    f.write_bytes(b"PK\x03\x04 definitely a zip")
+    code, _, err = run_cli(capsys, "generate", "--model", str(f), "--prompt", "hi")
+    assert_one_line_error(code, err, "not a GGUF file")
+
+
+def test_unsupported_architecture(capsys, tmp_path, monkeypatch):
+    import gguf
+
+    monkeypatch.setenv("TOKENHAUL_CACHE", str(tmp_path / "cache"))
+    f = tmp_path / "mamba.gguf"
+    w = gguf.GGUFWriter(str(f), "mamba")
+    w.add_block_count(1)
+    w.add_tensor("token_embd.weight", np.zeros((4, 8), dtype=np.float32))
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    code, _, err = run_cli(capsys, "generate", "--model", str(f), "--prompt", "hi")
+    assert_one_line_error(code, err, "unsupported architecture 'mamba'")
+
+
+def test_corrupted_part(capsys, tmp_path, monkeypatch):
+    monkeypatch.setenv("TOKENHAUL_CACHE", str(tmp_path))
+    good = catalog.CATALOG["smollm2-135m"]
+    broken = dataclasses.replace(good, alias="broken", sha256="0" * 64)
+    monkeypatch.setitem(catalog.CATALOG, "broken", broken)
+    code, _, err = run_cli(capsys, "generate", "--model", "broken", "--prompt", "hi")
+    assert_one_line_error(code, err, "sha256 mismatch")
+
+
+@pytest.mark.parametrize("args,fragment", [
+    (["--max-tokens", "0"], "max_tokens"),
+    (["--max-tokens", "-4"], "max_tokens"),
+    (["--top-p", "1.5"], "top_p"),
+    (["--top-p", "0"], "top_p"),
+])
+def test_bad_sampling_flags(capsys, args, fragment):
+    code, _, err = run_cli(capsys, "generate", "--prompt", "hi", *args)
+    assert_one_line_error(code, err, fragment)
+
+
+@pytest.mark.real_model
+def test_empty_and_too_long_prompt(capsys):
+    code, _, err = run_cli(capsys, "generate", "--prompt", "")
+    assert_one_line_error(code, err, "prompt is empty")
+    code, _, err = run_cli(capsys, "generate", "--prompt", "word " * 300, "--max-model-len", "128")
+    assert_one_line_error(code, err, "context holds 128")
+
+
+@pytest.mark.real_model
+def test_generate_json(capsys):
+    code, out, _ = run_cli(capsys, "generate", "--prompt", "The capital of France is", "--max-tokens", "8",
+                           "--temperature", "0", "--ignore-eos", "--json")
+    assert code == 0
+    obj = json.loads(out)
+    assert len(obj["token_ids"]) == 8 and obj["finish_reason"] == "length"
+    assert obj["prompt_token_ids"] and "Paris" in obj["text"]
+    led = obj["ledger"]
+    for key in ("weight_bytes_per_token", "kv_bytes_per_token", "prefill_tokens_per_s", "decode_tokens_per_s",
+                "stage_seconds"):
+        assert key in led
+    assert led["weight_bytes_per_token"] > 4e8  # fp32 SmolLM2: ~538 MB per decode token
+
+
+def test_models_listing(capsys):
+    code, out, _ = run_cli(capsys, "models")
+    assert code == 0 and "smollm2-135m" in out and "(default)" in out
