@@ -1,0 +1,100 @@
+"""Engine core on the real default model (SmolLM2-135M, fp32)."""
+
+from __future__ import annotations
+
+import pytest
+
+from tokenhaul.config import EngineConfig
+from tokenhaul.engine.core import EngineCore
+from tokenhaul.sampling_params import SamplingParams
+
+pytestmark = pytest.mark.real_model
+GREEDY = SamplingParams(max_tokens=16, temperature=0, ignore_eos=True)
+TOPICS = ["the ocean", "a robot", "Paris", "quantum computing", "a cat", "bread baking", "the moon", "trains",
+          "chess", "volcanoes", "jazz", "a library", "winter", "bees", "bridges", "tea"]
+
+
+def test_batch_invariance_16_prompts(smollm):
+    prompts = [f"Write one sentence about {t}." for t in TOPICS]
+    alone = [smollm.generate(p, GREEDY)[0].token_ids for p in prompts]
+    together = [o.token_ids for o in smollm.generate(prompts, GREEDY)]
+    assert together == alone
+
+
+def test_prefix_cache_1000_token_prefix(smollm):
+    shared = " ".join(f"Fact {i}: parcel {i * 7 % 13} travels by {'rail' if i % 2 else 'road'}." for i in range(84))
+    ids = smollm.tokenizer.encode(shared)
+    assert len(ids) >= 1000
+    a = ids + smollm.tokenizer.encode(" Question one: which parcels go by rail?")
+    b = ids + smollm.tokenizer.encode(" Question two: what is parcel 5?")
+    cold = EngineCore(EngineConfig(enable_prefix_caching=False), smollm.model)
+    cold_out = run_one(cold, b)
+    smollm.generate(a, GREEDY)
+    hits_before = smollm.core.prefix_cache.hit_tokens
+    out = smollm.generate(b, GREEDY)[0]
+    assert out.token_ids == cold_out
+    computed = sum(n for s in out.ledger.steps for _, _, n in s.record.chunks)
+    block = smollm.config.block_size
+    reused = (len(ids) // block) * block
+    assert smollm.core.prefix_cache.hit_tokens - hits_before == reused
+    assert computed == len(b) - reused + GREEDY.max_tokens - 1
+
+
+def run_one(core: EngineCore, ids: list[int], params=GREEDY) -> list[int]:
+    core.add_request("x", ids, params)
+    out = []
+    while core.has_unfinished():
+        for d in core.step():
+            out += d.new_token_ids
+    return out
+
+
+def test_preemption_real_model(smollm):
+    prompts = [smollm.tokenizer.encode(f"Tell me about {t}.") for t in TOPICS[:6]]
+    params = SamplingParams(max_tokens=24, temperature=0, ignore_eos=True)
+    ref = [o.token_ids for o in smollm.generate(prompts, params)]
+    core = EngineCore(EngineConfig(num_kv_blocks=8, block_size=16), smollm.model)  # 128 slots for 6 × ~32 tokens
+    for i, p in enumerate(prompts):
+        core.add_request(f"r{i}", p, params)
+    out = {f"r{i}": [] for i in range(len(prompts))}
+    while core.has_unfinished():
+        for d in core.step():
+            out[d.request_id] += d.new_token_ids
+    assert [out[f"r{i}"] for i in range(len(prompts))] == ref
+    assert core.scheduler.num_preemptions > 0
+    assert core.pool.num_used == 0 and core.pool.num_free == 8
+
+
+def test_abort_mid_generation_frees_blocks(smollm):
+    core = EngineCore(EngineConfig(num_kv_blocks=32), smollm.model)
+    core.add_request("a", smollm.tokenizer.encode("Count to one hundred:"),
+                     SamplingParams(max_tokens=200, temperature=0, ignore_eos=True))
+    for _ in range(4):
+        core.step()
+    assert core.pool.num_used > 0
+    core.abort("a")
+    assert core.pool.num_used == 0
+
+
+def test_same_seed_same_text(smollm):
+    p = SamplingParams(max_tokens=24, temperature=0.9, top_p=0.95, seed=1234)
+    a, b = smollm.generate("Once upon a time", p)[0], smollm.generate("Once upon a time", p)[0]
+    assert a.text == b.text and a.token_ids == b.token_ids
+    c = smollm.generate("Once upon a time", SamplingParams(max_tokens=24, temperature=0.9, top_p=0.95, seed=99))
+    assert c[0].token_ids != a.token_ids
+
+
+def test_stop_string_never_leaks(smollm):
+    ref = smollm.generate("1, 2, 3, 4,", SamplingParams(max_tokens=20, temperature=0, ignore_eos=True))[0]
+    assert " 7" in ref.text
+    out = smollm.generate("1, 2, 3, 4,", SamplingParams(max_tokens=20, temperature=0, stop=[" 7"]))[0]
+    assert out.finish_reason == "stop" and out.stop_reason == " 7"
+    assert " 7" not in out.text and ref.text.startswith(out.text)
+    assert smollm.core.pool.num_used == 0
+
+
+def test_logprobs_real(smollm):
+    out = smollm.generate("The sky is", SamplingParams(max_tokens=4, temperature=0, logprobs=3))[0]
+    assert len(out.logprobs) == len(out.token_ids)
+    for lp, tok in zip(out.logprobs, out.token_ids):
+        assert lp.token_id == tok and lp.top[0][0] == tok and lp.logprob <= 0
