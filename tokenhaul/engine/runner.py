@@ -47,14 +47,15 @@ class ModelRunner:
         sample_rows: list[int] = []
         sample_chunks: list[ScheduledChunk] = []
         single = len(decodes) + len(prefills) == 1
+        bs = self.block_size
         if decodes:
             kv_len = torch.tensor([c.start + 1 for c in decodes])
-            slots = self._slots([c.request.block_ids for c in decodes], int(kv_len.max()))
-            slot_parts.append(slots[torch.arange(len(decodes)), kv_len - 1])
-            q_pos = (kv_len - 1)[:, None]  # [B, 1]
-            mask, local = self._masks(q_pos, slots.shape[1], kv_len)
+            table = self._block_table([c.request.block_ids for c in decodes], int(kv_len.max()))
+            pos_last = kv_len - 1
+            slot_parts.append(table.gather(1, (pos_last // bs)[:, None])[:, 0] * bs + pos_last % bs)
+            mask, local = self._masks(pos_last[:, None], table.shape[1] * bs)
             idx = None if single or not prefills else torch.arange(len(decodes))
-            groups.append(AttnGroup(len(decodes), 1, idx, slots, mask, local))
+            groups.append(AttnGroup(len(decodes), 1, idx, table, mask, local))
             for r, c in enumerate(decodes):
                 if c.samples:  # a 1-token chunk mid-prompt does not sample
                     sample_rows.append(r)
@@ -62,12 +63,12 @@ class ModelRunner:
             row = len(decodes)
         for c in prefills:
             end = c.start + c.num_tokens
-            slots = self._slots([c.request.block_ids], end)
-            slot_parts.append(slots[0, c.start:end])
-            q_pos = torch.arange(c.start, end)[None, :]
-            mask, local = self._masks(q_pos, end, torch.tensor([end]))
+            table = self._block_table([c.request.block_ids], end)
+            p = torch.arange(c.start, end)
+            slot_parts.append(table[0, p // bs] * bs + p % bs)
+            mask, local = self._masks(p[None, :], table.shape[1] * bs)
             idx = None if single else torch.arange(row, row + c.num_tokens)
-            groups.append(AttnGroup(1, c.num_tokens, idx, slots, mask, local))
+            groups.append(AttnGroup(1, c.num_tokens, idx, table, mask, local))
             row += c.num_tokens
             if c.samples:
                 sample_rows.append(row - 1)
@@ -84,28 +85,24 @@ class ModelRunner:
         hidden = self.model.forward(inp.input_ids, inp.meta, self.kv)
         return self.model.compute_logits(hidden[inp.sample_rows])
 
-    def _slots(self, tables: list[list[int]], length: int) -> torch.Tensor:
-        """Flat cache slot of positions [0, length) for each block table → [B, length] (pad → 0)."""
+    def _block_table(self, tables: list[list[int]], length: int) -> torch.Tensor:
+        """Blocks holding positions [0, length) of each sequence → [B, num_blocks] (padding → block 0)."""
         nb = -(-length // self.block_size)
-        bt = torch.tensor([(t + [0] * nb)[:nb] for t in tables], dtype=torch.long)
-        p = torch.arange(length)
-        return bt[:, p // self.block_size] * self.block_size + p % self.block_size
+        return torch.tensor([(t + [0] * nb)[:nb] for t in tables], dtype=torch.long)
 
-    def _masks(self, q_pos: torch.Tensor, kv_len_max: int, kv_len: torch.Tensor):
-        """Causal (and sliding-window) masks [B, 1, Q, L]; None where every key is visible."""
-        k = torch.arange(kv_len_max)
-        B, Q = q_pos.shape
-        full_visible = Q == 1 and bool((kv_len == kv_len_max).all())
-        mask = None if full_visible else (k[None, None, :] <= q_pos[:, :, None]).unsqueeze(1)
+    def _masks(self, q_pos: torch.Tensor, kv_len: int) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+        """Causal masks [B, 1, Q, kv_len] (keys past a query's position, including block padding, are
+        hidden) and the same with the sliding window; None where every key is visible."""
+        k = torch.arange(kv_len)
+        causal = k[None, None, :] <= q_pos[:, :, None]
+        mask = None if bool(causal.all()) else causal.unsqueeze(1)
         local = mask
         if self.window is not None and int(q_pos.max()) >= self.window:
-            in_window = k[None, None, :] > q_pos[:, :, None] - self.window
-            causal = k[None, None, :] <= q_pos[:, :, None]
-            local = (in_window & causal).unsqueeze(1)
+            local = (causal & (k[None, None, :] > q_pos[:, :, None] - self.window)).unsqueeze(1)
         return mask, local
 
     def _to(self, g: AttnGroup) -> AttnGroup:
         def mv(t: torch.Tensor | None) -> torch.Tensor | None:
             return None if t is None else t.to(self.device)
 
-        return AttnGroup(g.batch, g.q_len, mv(g.token_index), mv(g.kv_slots), mv(g.mask), mv(g.mask_local))
+        return AttnGroup(g.batch, g.q_len, mv(g.token_index), mv(g.block_table), mv(g.mask), mv(g.mask_local))

@@ -1,4 +1,4 @@
-"""KVCache: the tensor storage behind the block pool — per layer, [num_blocks * block_size, Hkv, D]."""
+"""KVCache: the tensor storage behind the block pool — per layer, [num_blocks, block_size, Hkv, D]."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ class KVCache:
                  head_dim: int, dtype: torch.dtype, device: str | torch.device) -> None:
         self.num_blocks = num_blocks
         self.block_size = block_size
-        shape = (num_blocks * block_size, num_kv_heads, head_dim)
+        shape = (num_blocks, block_size, num_kv_heads, head_dim)
         self.k = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
         self.v = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
 
@@ -21,9 +21,8 @@ class KVCache:
 
     def copy_block(self, src: int, dst: int) -> None:
         """Copy-on-write support: duplicate one block's K/V in every layer."""
-        bs = self.block_size
         for cache in (*self.k, *self.v):
-            cache[dst * bs:(dst + 1) * bs] = cache[src * bs:(src + 1) * bs]
+            cache[dst] = cache[src]
 
     @property
     def nbytes(self) -> int:

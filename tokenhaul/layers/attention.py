@@ -1,0 +1,55 @@
+"""Paged attention: K/V live in flat cache slots addressed through block tables.
+
+The runner builds one `AttentionMetadata` per step; every layer reads it. Sequences attended
+together form an `AttnGroup`: all decodes (one query each) in one padded call, each prefill
+chunk in a call of its own, so no query padding is ever computed.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+
+@dataclass
+class AttnGroup:
+    batch: int
+    q_len: int
+    token_index: torch.Tensor | None  # [batch * q_len] rows of the step's tokens; None = all rows in order
+    block_table: torch.Tensor  # [batch, num_blocks] KV blocks of each sequence in order (padding → 0)
+    mask: torch.Tensor | None  # [batch, 1, q_len, num_blocks * block_size] True = may attend; None = all
+    mask_local: torch.Tensor | None  # the same with the sliding window applied
+
+
+@dataclass
+class AttentionMetadata:
+    positions: torch.Tensor  # [T] position of each token of the step
+    slot_mapping: torch.Tensor  # [T] flat cache slot where each token's K/V is written
+    groups: list[AttnGroup]
+    num_tokens: int
+
+
+def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                    k_cache: torch.Tensor, v_cache: torch.Tensor,
+                    meta: AttentionMetadata, scale: float, sliding: bool) -> torch.Tensor:
+    """q: [T, H, D]; k, v: [T, Hkv, D]; caches: [num_blocks, block_size, Hkv, D].
+    Writes the step's K/V into their slots, then gathers whole blocks per sequence. Returns [T, H*D]."""
+    nb, bs, Hkv, _ = k_cache.shape
+    k_cache.view(nb * bs, Hkv, -1)[meta.slot_mapping] = k.to(k_cache.dtype)
+    v_cache.view(nb * bs, Hkv, -1)[meta.slot_mapping] = v.to(v_cache.dtype)
+    T, H, D = q.shape
+    out = None if len(meta.groups) == 1 else q.new_empty(T, H * D)
+    for g in meta.groups:
+        qg = q if g.token_index is None else q[g.token_index]
+        qg = qg.view(g.batch, g.q_len, H, D).transpose(1, 2)
+        kg = k_cache[g.block_table].view(g.batch, -1, Hkv, D).transpose(1, 2).to(q.dtype)  # [B, Hkv, L, D]
+        vg = v_cache[g.block_table].view(g.batch, -1, Hkv, D).transpose(1, 2).to(q.dtype)
+        mask = g.mask_local if sliding else g.mask
+        o = F.scaled_dot_product_attention(qg, kg, vg, attn_mask=mask, scale=scale, enable_gqa=True)
+        o = o.transpose(1, 2).reshape(g.batch * g.q_len, H * D)
+        if out is None:
+            return o
+        out[g.token_index] = o
+    return out
