@@ -1,4 +1,4 @@
-"""tokenhaul command line: generate | chat | models (serve, trace and bench join as they land)."""
+"""tokenhaul command line: generate | chat | models | serve | bench serve | trace | calibrate."""
 
 from __future__ import annotations
 
@@ -94,6 +94,52 @@ def cmd_models(args: argparse.Namespace) -> None:
         print(f"{row['alias']:<20} {mark:<14} {row['size_mb']:>6} MB  {row['description']}{star}")
 
 
+def cmd_trace(args: argparse.Namespace) -> None:
+    from pathlib import Path
+
+    from tokenhaul.ledger.perfetto import write_trace
+    from tokenhaul.ledger.report import text_report, write_report
+    from tokenhaul.llm import LLM
+    from tokenhaul.whatif.calibrate import machine_roofline
+
+    params = sampling_params(args)
+    llm = LLM(args.model, **engine_kwargs(args))
+    roof = machine_roofline(llm.costs.device)  # measured now if missing, not inside the traced run
+    llm.generate("Warm up.", SamplingParams(max_tokens=2))  # first-call costs stay out of the trace
+    prompts = [args.prompt[i % len(args.prompt)] for i in range(args.concurrency)]
+    if args.chat:
+        outs = llm.chat([[{"role": "user", "content": p}] for p in prompts], params)
+    else:
+        outs = llm.generate(prompts, params)
+    ledger = outs[0].ledger
+    out = Path(args.out)
+    trace = write_trace(ledger, out / "trace.json")
+    title = f"tokenhaul ledger: {llm.files.name} {args.dtype}, {args.concurrency} concurrent"
+    report = write_report(ledger, out / "report.html", roof, title)
+    print(text_report(ledger, roof))
+    print(f"\ntrace:  {trace}  (open in https://ui.perfetto.dev)\nreport: {report}")
+
+
+def cmd_calibrate(args: argparse.Namespace) -> None:
+    import torch
+
+    from tokenhaul.whatif.calibrate import calibrate, calibration_path
+
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    roof, entry = calibrate(args.device)
+    print(f"{roof.key}: read {roof.bandwidth / 1e9:.1f} GB/s, fp32 GEMM {roof.peak_flops / 1e9:.0f} GFLOP/s, "
+          f"ridge {roof.ridge:.1f} FLOP/byte (measured in {entry['measure_seconds']:.1f} s) → {calibration_path()}")
+
+
+def cmd_serve(args: argparse.Namespace) -> None:
+    from tokenhaul.server.app import serve
+    from tokenhaul.server.async_engine import AsyncEngine
+
+    engine = AsyncEngine.from_model(args.model, args.served_model_name, args.max_waiting, **engine_kwargs(args))
+    serve(engine, args.host, args.port, args.log_level, args.access_log)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="tokenhaul", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
@@ -110,6 +156,35 @@ def build_parser() -> argparse.ArgumentParser:
     m.add_argument("action", nargs="?", choices=["list", "install"], default="list")
     m.add_argument("aliases", nargs="*")
     m.set_defaults(func=cmd_models)
+    s = sub.add_parser("serve", help="OpenAI-compatible HTTP server (completions, chat, /metrics)")
+    add_engine_args(s)
+    s.add_argument("--host", default="127.0.0.1")
+    s.add_argument("--port", type=int, default=8000)
+    s.add_argument("--served-model-name", default=None, help="name clients send as `model` (default: --model)")
+    s.add_argument("--max-waiting", type=int, default=256,
+                   help="requests without a first token yet; beyond this, 429 (retry later)")
+    s.add_argument("--log-level", default="info")
+    s.add_argument("--access-log", action="store_true")
+    s.set_defaults(func=cmd_serve)
+    b = sub.add_parser("bench", help="benchmarks: `bench serve` (load generator for OpenAI-compatible servers)")
+    bsub = b.add_subparsers(dest="bench_command", required=True)
+    from tokenhaul.bench import loadgen
+
+    bs = bsub.add_parser("serve", help="Poisson / closed-loop load against a server: TTFT, TPOT, ITL, E2E, goodput")
+    loadgen.add_args(bs)
+    bs.set_defaults(func=loadgen.main)
+    t = sub.add_parser("trace", help="run prompts, write a Perfetto trace and an HTML ledger report")
+    add_engine_args(t)
+    add_sampling_args(t)
+    t.add_argument("--prompt", action="append", required=True, help="repeat for several prompts")
+    t.add_argument("--concurrency", type=int, default=1, help="requests run together (prompts cycle)")
+    t.add_argument("--chat", action="store_true", help="apply the model's chat template")
+    t.add_argument("--out", required=True, help="directory for trace.json and report.html")
+    t.set_defaults(func=cmd_trace)
+    c = sub.add_parser("calibrate", help="measure read bandwidth and fp32 GEMM FLOP/s for the roofline")
+    c.add_argument("--device", default="cpu")
+    c.add_argument("--threads", type=int, default=None)
+    c.set_defaults(func=cmd_calibrate)
     return parser
 
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 
 from tokenhaul.errors import RequestError
@@ -31,14 +32,18 @@ class SamplingParams:
         self.stop = [s for s in self.stop if s]
         if self.top_k == -1:
             self.top_k = 0
+        floats = (self.temperature, self.top_p, self.min_p, self.repetition_penalty, self.presence_penalty,
+                  self.frequency_penalty)
         checks = [
+            (all(math.isfinite(x) for x in floats), "sampling values must be finite numbers"),
             (isinstance(self.max_tokens, int) and self.max_tokens > 0,
              f"max_tokens must be a positive integer, got {self.max_tokens!r}"),
             (self.temperature >= 0, f"temperature must be >= 0, got {self.temperature}"),
-            (0 < self.top_p <= 1, f"top_p must be in (0, 1], got {self.top_p}"),
+            (1e-8 <= self.top_p <= 1, f"top_p must be in [1e-8, 1], got {self.top_p}"),  # fp32 keeps it > 0
             (self.top_k >= 0, f"top_k must be >= 0 (or -1 to disable), got {self.top_k}"),
             (0 <= self.min_p <= 1, f"min_p must be in [0, 1], got {self.min_p}"),
-            (self.repetition_penalty > 0, f"repetition_penalty must be > 0, got {self.repetition_penalty}"),
+            (1e-4 <= self.repetition_penalty <= 1e4,  # beyond, logits overflow fp32
+             f"repetition_penalty must be in [1e-4, 1e4], got {self.repetition_penalty}"),
             (-2 <= self.presence_penalty <= 2, f"presence_penalty must be in [-2, 2], got {self.presence_penalty}"),
             (-2 <= self.frequency_penalty <= 2,
              f"frequency_penalty must be in [-2, 2], got {self.frequency_penalty}"),
@@ -50,7 +55,7 @@ class SamplingParams:
 
     @property
     def greedy(self) -> bool:
-        return self.temperature == 0.0
+        return self.temperature < 1e-5  # as vLLM: dividing logits by less overflows fp32
 
     @property
     def needs_penalties(self) -> bool:

@@ -1,10 +1,20 @@
-"""Analytic bytes and FLOPs per step, per tier — the one source of truth for every count printed."""
+"""Analytic bytes and FLOPs per step, per tier — the one source of truth for every count printed.
+
+Every field of `StepCosts` is traffic (bytes moved), not a tensor size. The model is the code as
+written today (layers/attention.py, engine/runner.py): paged attention gathers each group's K/V, in
+whole blocks and padded to the group's longest block table, into a contiguous copy per layer, then
+attention reads that copy; the runner builds token ids, positions, block tables and masks on the
+host and moves them to the device once.
+"""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 
 from tokenhaul.models.config import ModelConfig
+
+ID_BYTES = 8  # torch.long: token ids, positions, slots, row indices
+MASK_BYTES = 1  # torch.bool
 
 
 @dataclass(frozen=True)
@@ -16,10 +26,13 @@ class ModelCosts:
     lm_head_bytes: int
     embed_row_bytes: int  # one embedding row
     norm_bytes: int
-    kv_bytes_per_token: int  # K and V of one token, all layers
+    kv_bytes_per_token: int  # K and V of one token, all layers, at the cache dtype
     layer_params: int  # multiply-adds per token through the layers' linears
     lm_head_params: int
     activation_itemsize: int = 4
+    kv_itemsize: int = 4
+    compute_itemsize: int = 4  # attention runs in fp32: the gathered K/V is converted to it
+    device: str = "cpu"
 
     @classmethod
     def from_model(cls, model, kv_itemsize: int) -> ModelCosts:
@@ -36,42 +49,155 @@ class ModelCosts:
         embed = model.embed
         return cls(c, layer_bytes, model.lm_head.weight_bytes, embed.shape[1] * embed.element_size(),
                    norm_bytes, 2 * c.num_layers * c.num_kv_heads * c.head_dim * kv_itemsize,
-                   layer_params, model.lm_head.in_features * model.lm_head.out_features)
+                   layer_params, model.lm_head.in_features * model.lm_head.out_features,
+                   kv_itemsize=kv_itemsize, device=embed.device.type)
 
     @property
     def weight_bytes_per_step(self) -> int:
         """Weights a step reads from memory: all layers, lm_head, norms (embedding rows separate)."""
         return self.layer_weight_bytes + self.lm_head_bytes + self.norm_bytes
 
+    @property
+    def activation_values_per_token(self) -> int:
+        """Values of the main per-layer intermediates of one token, all layers (see llama.py, gemma3.py):
+        attn_norm, qkv, rope(q), rope(k), attention out, o, residual, ffn_norm, gate_up, act, act*up,
+        down, residual; Gemma3 adds q/k norms and the two post norms."""
+        c = self.config
+        per_layer = 6 * c.hidden_size + 3 * c.q_size + 3 * c.kv_size + 4 * c.ffn_size
+        if c.arch == "gemma3":
+            per_layer += 2 * c.hidden_size + c.q_size + c.kv_size
+        return per_layer * c.num_layers
 
-@dataclass
+
+@dataclass(slots=True)
 class StepCosts:
-    weight_bytes: int = 0
-    kv_read_bytes: int = 0
-    kv_write_bytes: int = 0
-    activation_bytes: int = 0
-    logits_bytes: int = 0
+    weight_bytes: int = 0  # linears, norms, lm_head, embedding rows: memory → core
+    kv_read_bytes: int = 0  # K/V gathered from the paged cache, padding slots included
+    kv_pad_bytes: int = 0  # the part of kv_read_bytes spent on padding (decodes of unequal length)
+    kv_write_bytes: int = 0  # new K/V written into their cache slots
+    kv_gather_bytes: int = 0  # the contiguous per-layer K/V copy: written, converted, read by attention
+    kv_copy_bytes: int = 0  # copy-on-write block duplication (read + write)
+    activation_bytes: int = 0  # main intermediates, each written once and read once (estimate)
+    logits_bytes: int = 0  # written by lm_head, read by the sampler
+    metadata_bytes: int = 0  # token ids, positions, slots, masks, rows built on the host
+    h2d_bytes: int = 0  # host → device (metadata, when the model is not on the CPU)
+    d2h_bytes: int = 0  # device → host (sampled token ids)
     flops: int = 0
 
     @property
+    def dram_bytes(self) -> int:
+        """Compulsory memory traffic (what cannot stay in cache): the roofline's bytes."""
+        return self.weight_bytes + self.kv_read_bytes + self.kv_write_bytes + self.kv_copy_bytes
+
+    @property
+    def kv_bytes(self) -> int:
+        return self.kv_read_bytes + self.kv_write_bytes
+
+    @property
     def total_bytes(self) -> int:
-        return (self.weight_bytes + self.kv_read_bytes + self.kv_write_bytes + self.activation_bytes
-                + self.logits_bytes)
+        """Every byte moved, whichever tier serves it."""
+        return (self.dram_bytes + self.kv_gather_bytes + self.activation_bytes + self.logits_bytes
+                + self.metadata_bytes + self.h2d_bytes + self.d2h_bytes)
+
+    def add(self, other: StepCosts) -> None:
+        """Accumulate `other` into self (mutates self)."""
+        for name in _FIELDS:
+            setattr(self, name, getattr(self, name) + getattr(other, name))
+
+    def as_dict(self) -> dict[str, int]:
+        return {name: getattr(self, name) for name in _FIELDS}
 
 
-def step_costs(mc: ModelCosts, chunks: list[tuple[int, int]], num_sampled: int) -> StepCosts:
-    """chunks: (start position, tokens computed) per scheduled sequence."""
+_FIELDS = tuple(f.name for f in fields(StepCosts))
+
+TIERS = (  # (StepCosts field, what moves where) in journey order, for reports
+    ("h2d_bytes", "host → device (ids, positions, tables, masks)"),
+    ("weight_bytes", "weights (memory → core)"),
+    ("kv_read_bytes", "KV read (memory → core)"),
+    ("kv_gather_bytes", "KV gather copy (written, read by attention)"),
+    ("kv_write_bytes", "KV write (core → memory)"),
+    ("kv_copy_bytes", "KV copy-on-write"),
+    ("activation_bytes", "activations (estimate)"),
+    ("logits_bytes", "logits (lm_head → sampler)"),
+    ("metadata_bytes", "runner metadata (host)"),
+    ("d2h_bytes", "device → host (token ids)"),
+)
+
+
+def step_costs(mc: ModelCosts, chunks: list[tuple[int, int]], num_sampled: int,
+               kv_copy_tokens: int = 0, block_size: int = 1) -> StepCosts:
+    """chunks: (start position, tokens computed) per scheduled sequence, as the scheduler emitted them.
+
+    Mirrors runner.prepare and paged_attention: 1-token chunks form one decode group padded to its
+    longest block table, each longer chunk its own prefill group; attention gathers whole blocks
+    of `block_size` slots, so keys are padded to a block boundary (and masked, but computed)."""
     c = mc.config
-    T = sum(n for _, n in chunks)
+    T = num_decodes = decode_kv = decode_end_max = nb_max = 0
+    gathered = 0  # slots gathered per layer for K (and as many for V)
+    attn = 0  # Σ queries × keys computed
+    meta = mask_alias = 0
+    window = c.sliding_window
+    for start, n in chunks:
+        T += n
+        end = start + n
+        nb = -(-end // block_size)
+        if n == 1:
+            num_decodes += 1
+            decode_kv += end
+            decode_end_max = max(decode_end_max, end)
+            nb_max = max(nb_max, nb)
+            continue
+        L = nb * block_size
+        gathered += L
+        attn += n * L
+        meta += nb * ID_BYTES + n * L * MASK_BYTES  # block table + causal mask (never all-visible)
+        if window is not None and end - 1 >= window:
+            meta += n * L * MASK_BYTES  # a separate sliding-window mask
+        else:
+            mask_alias += n * L * MASK_BYTES  # mask_local is the mask: moved twice to a device
     if T == 0:
         return StepCosts()
+    pad = 0
+    if num_decodes:
+        L = nb_max * block_size
+        gathered += num_decodes * L
+        pad = num_decodes * L - decode_kv
+        attn += num_decodes * L
+        meta += num_decodes * nb_max * ID_BYTES
+        local = window is not None and decode_end_max - 1 >= window
+        if pad:  # some key is past its query: a mask
+            meta += num_decodes * L * MASK_BYTES
+            if not local:
+                mask_alias += num_decodes * L * MASK_BYTES
+        if local:  # a separate sliding-window mask
+            meta += num_decodes * L * MASK_BYTES
+        if num_decodes < len(chunks):
+            meta += num_decodes * ID_BYTES  # token_index of the decode group
+    if len(chunks) > 1:
+        meta += (T - num_decodes) * ID_BYTES  # token_index of each prefill group
+    meta += 3 * T * ID_BYTES + num_sampled * ID_BYTES  # input ids, positions, slot mapping; sample rows
+
     kv_tok = mc.kv_bytes_per_token
+    kv_read = gathered * kv_tok
+    ratio = mc.compute_itemsize / mc.kv_itemsize
+    gather = kv_read  # the contiguous copy, written at the cache dtype...
+    if mc.kv_itemsize != mc.compute_itemsize:  # ...read back and converted to the compute dtype...
+        gather += kv_read + int(kv_read * ratio)
+    gather += int(kv_read * ratio)  # ...and read by attention
     lm_head = mc.lm_head_bytes if num_sampled else 0
-    weights = mc.layer_weight_bytes + mc.norm_bytes + lm_head + T * mc.embed_row_bytes
-    kv_read = sum(start + n for start, n in chunks) * kv_tok
-    kv_write = T * kv_tok
-    act = T * c.hidden_size * mc.activation_itemsize * 2 * c.num_layers  # residual in/out per layer
-    logits = num_sampled * c.vocab_size * 4
-    linear_flops = 2 * T * mc.layer_params + 2 * num_sampled * mc.lm_head_params
-    attn_flops = sum(4 * n * (start + n) * c.num_heads * c.head_dim for start, n in chunks) * c.num_layers
-    return StepCosts(weights, kv_read, kv_write, act, logits, linear_flops + attn_flops)
+    on_device = mc.device != "cpu"
+    return StepCosts(
+        weight_bytes=mc.layer_weight_bytes + mc.norm_bytes + lm_head + T * mc.embed_row_bytes,
+        kv_read_bytes=kv_read,
+        kv_pad_bytes=pad * kv_tok,
+        kv_write_bytes=T * kv_tok,
+        kv_gather_bytes=gather,
+        kv_copy_bytes=2 * kv_copy_tokens * kv_tok,
+        activation_bytes=2 * T * mc.activation_values_per_token * mc.activation_itemsize,
+        logits_bytes=2 * num_sampled * c.vocab_size * 4,  # fp32, written by lm_head, read by the sampler
+        metadata_bytes=meta,
+        h2d_bytes=meta + mask_alias if on_device else 0,
+        d2h_bytes=num_sampled * ID_BYTES if on_device else 0,
+        flops=2 * T * mc.layer_params + 2 * num_sampled * mc.lm_head_params
+        + 4 * attn * c.num_heads * c.head_dim * c.num_layers,  # linears; QK^T and PV
+    )

@@ -1,96 +1,287 @@
-"""Ledger: the observer of every step and every delivered token. It records; it never steers."""
+"""Ledger: the observer of every step and every delivered token. It records; it never steers.
+
+Memory stays bounded for a long-running server: running totals per phase and stage, plus rings of
+the most recent steps, token deliveries and finished requests (percentiles are over those rings).
+Recording is a few dict and integer updates per step and per token (bench/ledger_overhead.py).
+"""
 
 from __future__ import annotations
 
+import math
 import time
-from collections import defaultdict
+from collections import OrderedDict, deque
 from dataclasses import dataclass, field
 
 from tokenhaul.engine.core import StepRecord
 from tokenhaul.engine.request import Request
 from tokenhaul.ledger.costs import ModelCosts, StepCosts, step_costs
+from tokenhaul.ledger.roofline import Position, Roofline
 
 ENGINE_STAGES = ("schedule", "prepare", "forward", "sample", "update")
 FRONT_STAGES = ("detokenize", "deliver")
+STAGES = ENGINE_STAGES + FRONT_STAGES
 
 
-@dataclass
-class TokenEvent:
-    step: int  # index of the step that produced it
-    t: float  # perf_counter when the front end delivered it
-    detokenize_s: float = 0.0
-
-
-@dataclass
+@dataclass(slots=True)
 class StepEntry:
     record: StepRecord
     costs: StepCosts
+    num_tokens: int  # tokens computed
+    is_prefill: bool  # any chunk longer than one token
+    recomputed: int  # tokens computed before, lost to preemption, computed again
+    gap_before: float  # seconds since the previous busy step ended (front end, loop, observer)
+    seconds: float  # sum of the engine stages
+    detokenize_s: float = 0.0  # front-end time spent on this step's tokens
+    deliver_s: float = 0.0
 
     @property
-    def seconds(self) -> float:
-        return sum(self.record.stage_seconds.values())
+    def t_end(self) -> float:
+        return self.record.t_start + self.seconds
 
     @property
-    def is_prefill(self) -> bool:
-        return any(n > 1 for _, _, n in self.record.chunks)
+    def num_sampled(self) -> int:
+        return len(self.record.sampled)
+
+
+@dataclass(slots=True)
+class TokenEvent:
+    request_id: str
+    step: int  # index of the step that produced it
+    t: float  # perf_counter when the front end had delivered it
+    detokenize_s: float
+    deliver_s: float
+    last_mile_s: float  # end of its step → delivered (-1 when the step is unknown)
+
+
+@dataclass(slots=True)
+class RequestSpan:
+    request_id: str
+    first_step_t: float  # start of the first step that computed any of its tokens
+    arrival_t: float | None = None
+    first_token_t: float | None = None
+    last_token_t: float | None = None
+    finish_t: float | None = None
+    tokens: int = 0  # delivered
+    sampled: int = 0  # produced by the engine
+    computed: int = 0  # highest position computed so far
+    recomputed: int = 0
+    preemptions: int = 0
+    prompt_tokens: int = 0
+    cached_tokens: int = 0
+    finish_reason: str | None = None
+
+    @property
+    def ttft(self) -> float | None:
+        start = self.arrival_t if self.arrival_t is not None else self.first_step_t
+        return None if self.first_token_t is None else self.first_token_t - start
 
 
 @dataclass
+class Phase:
+    """Running totals over the steps of one phase (prefill: any chunk > 1 token; decode: the rest)."""
+
+    steps: int = 0
+    tokens: int = 0  # computed
+    sampled: int = 0
+    seconds: float = 0.0  # engine stages
+    forward_seconds: float = 0.0
+    costs: StepCosts = field(default_factory=StepCosts)
+
+    def position(self, roof: Roofline) -> Position:
+        return roof.position(self.costs.dram_bytes, self.costs.flops, self.forward_seconds)
+
+
 class Ledger:
-    costs: ModelCosts
-    steps: list[StepEntry] = field(default_factory=list)
-    tokens: dict[str, list[TokenEvent]] = field(default_factory=lambda: defaultdict(list))
-    finished: dict[str, float] = field(default_factory=dict)
-    front_seconds: dict[str, float] = field(default_factory=lambda: defaultdict(float))
+    def __init__(self, costs: ModelCosts, max_steps: int = 1024, max_tokens: int = 16384,
+                 max_requests: int = 1024) -> None:
+        self.costs = costs
+        self.t0 = time.perf_counter()
+        self.steps: deque[StepEntry] = deque(maxlen=max_steps)
+        self.tokens: deque[TokenEvent] = deque(maxlen=max_tokens)
+        self.requests: deque[RequestSpan] = deque(maxlen=max_requests)  # finished
+        self.itl: deque[float] = deque(maxlen=max_tokens)
+        self.prefill = Phase()
+        self.decode = Phase()
+        self.stage_seconds: dict[str, float] = dict.fromkeys(STAGES, 0.0)
+        self.gap_seconds = 0.0  # between busy steps, outside every engine stage
+        self.num_steps = self.num_tokens = self.num_preemptions = 0
+        self.recomputed_tokens = self.rejected_tokens = self.prompt_tokens = 0
+        self.kv_blocks_peak = 0
+        self._live: dict[str, RequestSpan] = {}
+        self._closing: OrderedDict[str, RequestSpan] = OrderedDict()  # finished, last tokens in flight
+        self._last_end: float | None = None
 
     # observer interface (engine core) ------------------------------------------------------
     def on_step(self, record: StepRecord) -> None:
-        chunks = [(start, n) for _, start, n in record.chunks]
-        self.steps.append(StepEntry(record, step_costs(self.costs, chunks, len(record.sampled))))
+        live = self._live
+        pairs = []
+        tokens = prompt = recomputed = 0
+        prefill = False
+        for rid, start, n in record.chunks:
+            pairs.append((start, n))
+            tokens += n
+            prefill = prefill or n > 1
+            span = live.get(rid)
+            if span is None:
+                span = live[rid] = RequestSpan(rid, record.t_start)
+            end = start + n
+            if start < span.computed:
+                r = min(end, span.computed) - start
+                recomputed += r
+                span.recomputed += r
+            elif not (n == 1 and span.sampled):
+                prompt += n  # prompt, not a decode step
+            if end > span.computed:
+                span.computed = end
+        for rid in record.sampled:
+            live[rid].sampled += 1
+        for rid in record.preempted:
+            span = live.get(rid)
+            if span is not None:
+                span.preemptions += 1  # its KV is gone; recompute shows as positions below `computed`
+        costs = step_costs(self.costs, pairs, len(record.sampled), record.kv_copy_tokens,
+                           record.kv_block_size)
+        seconds = 0.0
+        stages = self.stage_seconds
+        for k, v in record.stage_seconds.items():
+            stages[k] = stages.get(k, 0.0) + v
+            seconds += v
+        gap = 0.0 if self._last_end is None else max(0.0, record.t_start - self._last_end)
+        self.gap_seconds += gap
+        phase = self.prefill if prefill else self.decode
+        phase.steps += 1
+        phase.tokens += tokens
+        phase.sampled += len(record.sampled)
+        phase.seconds += seconds
+        phase.forward_seconds += record.stage_seconds.get("forward", 0.0)
+        phase.costs.add(costs)
+        self.num_steps += 1
+        self.num_preemptions += len(record.preempted)
+        self.recomputed_tokens += recomputed
+        self.prompt_tokens += prompt
+        self.rejected_tokens += record.rejected_tokens
+        self.kv_blocks_peak = max(self.kv_blocks_peak, record.kv_blocks_used)
+        self.steps.append(StepEntry(record, costs, tokens, prefill, recomputed, gap, seconds))
+        # a gap counts only while requests are in flight (idle time of a server is not coordination)
+        self._last_end = record.t_start + seconds if live else None
 
     def on_finish(self, request: Request) -> None:
-        self.finished[request.request_id] = time.perf_counter()
+        rid = request.request_id
+        span = self._live.pop(rid, None) or RequestSpan(rid, time.perf_counter())
+        span.finish_t = time.perf_counter()
+        span.arrival_t = request.arrival_time
+        span.prompt_tokens = request.num_prompt_tokens
+        span.cached_tokens = request.num_cached_tokens
+        span.preemptions = request.num_preemptions
+        span.finish_reason = request.finish_reason
+        self.requests.append(span)
+        self._closing[rid] = span
+        if len(self._closing) > 256:
+            self._closing.popitem(last=False)
+        if not self._live:
+            self._last_end = None
 
     # front-end interface ----------------------------------------------------------------------
     def on_token(self, request_id: str, step: int, detokenize_s: float, deliver_s: float = 0.0) -> None:
-        self.tokens[request_id].append(TokenEvent(step, time.perf_counter(), detokenize_s))
-        self.front_seconds["detokenize"] += detokenize_s
-        self.front_seconds["deliver"] += deliver_s
+        """One token delivered to its client: `detokenize_s` turning it into text, `deliver_s`
+        handing it over (output bookkeeping, or the network write in a server)."""
+        t = time.perf_counter()
+        stages = self.stage_seconds
+        stages["detokenize"] += detokenize_s
+        stages["deliver"] += deliver_s
+        last_mile = -1.0
+        for i in range(1, min(len(self.steps), 8) + 1):  # a front end may lag the core by a step or two
+            entry = self.steps[-i]
+            if entry.record.index == step:
+                entry.detokenize_s += detokenize_s
+                entry.deliver_s += deliver_s
+                last_mile = t - entry.t_end
+                break
+        self.tokens.append(TokenEvent(request_id, step, t, detokenize_s, deliver_s, last_mile))
+        self.num_tokens += 1
+        span = self._live.get(request_id) or self._closing.get(request_id)
+        if span is None:  # long finished, or never seen by on_step: no request figures
+            return
+        if span.last_token_t is None:
+            span.first_token_t = t
+        else:
+            self.itl.append(t - span.last_token_t)
+        span.last_token_t = t
+        span.tokens += 1
 
     # reading ----------------------------------------------------------------------------------
-    def summary(self) -> dict:
-        """The short form: throughput, bytes per token, seconds per stage."""
-        prefill = [s for s in self.steps if s.is_prefill]
-        decode = [s for s in self.steps if not s.is_prefill]
-        prefill_tokens = sum(n for s in prefill for _, _, n in s.record.chunks)
-        decode_tokens = sum(len(s.record.sampled) for s in decode)
-        generated = sum(len(s.record.sampled) for s in self.steps)
-        stage: dict[str, float] = defaultdict(float)
-        for s in self.steps:
-            for k, v in s.record.stage_seconds.items():
-                stage[k] += v
-        stage.update(self.front_seconds)
-        decode_s = sum(s.seconds for s in decode)
-        decode_weight = sum(s.costs.weight_bytes for s in decode)
-        decode_kv = sum(s.costs.kv_read_bytes + s.costs.kv_write_bytes for s in decode)
+    def roofline(self) -> Roofline:
+        """This machine's limits for the model's device: cached calibration, measured if missing."""
+        from tokenhaul.whatif.calibrate import machine_roofline  # lazy: the ledger must import fast
+
+        return machine_roofline(self.costs.device)
+
+    @property
+    def between_steps_seconds(self) -> float:
+        """Time between busy steps not spent in the front end: loop, observer, scheduling glue."""
+        front = self.stage_seconds["detokenize"] + self.stage_seconds["deliver"]
+        return max(0.0, self.gap_seconds - front)
+
+    def summary(self, roofline: Roofline | None = None) -> dict:
+        """The short form: throughput, bytes per token, seconds per stage, roofline position."""
+        roof = roofline or self.roofline()
+        p, d = self.prefill, self.decode
+        pre, dec = p.position(roof), d.position(roof)
+        main = dec if d.steps else pre
+        per_tok = d.sampled or 1
+        tok = list(self.tokens)
+        ttft = [r.ttft for r in self.requests if r.ttft is not None]
         return {
-            "steps": len(self.steps),
-            "prompt_tokens": prefill_tokens,
-            "generated_tokens": generated,
-            "prefill_tokens_per_s": _rate(prefill_tokens, sum(s.seconds for s in prefill)),
-            "decode_tokens_per_s": _rate(decode_tokens, decode_s),
-            "weight_bytes_per_token": decode_weight / decode_tokens if decode_tokens else 0.0,
-            "kv_bytes_per_token": decode_kv / decode_tokens if decode_tokens else 0.0,
-            "decode_gb_per_s": _rate(sum(s.costs.total_bytes for s in decode), decode_s) / 1e9,
-            "stage_seconds": dict(stage),
+            "steps": self.num_steps,
+            "prompt_tokens": self.prompt_tokens,  # computed from prompts (recompute and prefix hits excluded)
+            "generated_tokens": p.sampled + d.sampled,
+            "prefill_tokens_per_s": _rate(p.tokens, p.seconds),
+            "decode_tokens_per_s": _rate(d.sampled, d.seconds),
+            "weight_bytes_per_token": d.costs.weight_bytes / per_tok if d.sampled else 0.0,
+            "kv_bytes_per_token": d.costs.kv_bytes / per_tok if d.sampled else 0.0,
+            "bytes_per_token": {k: v / per_tok for k, v in d.costs.as_dict().items() if k != "flops"},
+            "flops_per_token": d.costs.flops / per_tok,
+            "decode_gb_per_s": dec.gb_per_s,
+            "roofline_fraction": main.roofline_fraction,
+            "data_wait_fraction": main.data_fraction,
+            "prefill": pre.as_dict(),
+            "decode": dec.as_dict(),
+            "stage_seconds": dict(self.stage_seconds),
+            "between_steps_seconds": self.between_steps_seconds,
+            "itl_ms": _pcts(self.itl),
+            "ttft_ms": _pcts(ttft),
+            "detokenize_ms": _pcts([e.detokenize_s for e in tok]),
+            "last_mile_ms": _pcts([e.last_mile_s for e in tok if e.last_mile_s >= 0]),
+            "preemptions": self.num_preemptions,
+            "recomputed_tokens": self.recomputed_tokens,
+            "rejected_tokens": self.rejected_tokens,
+            "kv_blocks_peak": self.kv_blocks_peak,
+            "calibration": {"bandwidth_gb_per_s": roof.bandwidth / 1e9, "gflop_per_s": roof.peak_flops / 1e9,
+                            "key": roof.key},
         }
 
-    def short_line(self) -> str:
-        s = self.summary()
+    def short_line(self, roofline: Roofline | None = None) -> str:
+        s = self.summary(roofline)
         return (f"prefill {s['prompt_tokens']} tok @ {s['prefill_tokens_per_s']:.0f} tok/s | "
                 f"decode {s['generated_tokens']} tok @ {s['decode_tokens_per_s']:.1f} tok/s | "
-                f"{s['weight_bytes_per_token'] / 1e6:.0f} MB weights + {s['kv_bytes_per_token'] / 1e6:.2f} MB KV "
-                f"read per token ({s['decode_gb_per_s']:.1f} GB/s)")
+                f"{s['weight_bytes_per_token'] / 1e6:.0f} MB weights + "
+                f"{s['kv_bytes_per_token'] / 1e6:.2f} MB KV per token | "
+                f"{s['decode_gb_per_s']:.1f} GB/s, {s['roofline_fraction']:.0%} of roofline, "
+                f"waiting on data {s['data_wait_fraction']:.0%} of forward")
+
+
+def percentile(values, q: float) -> float:
+    """Nearest-rank percentile (q in [0, 100]); 0.0 for no values."""
+    v = sorted(values)
+    if not v:
+        return 0.0
+    return v[min(len(v) - 1, max(0, math.ceil(q / 100 * len(v)) - 1))]
+
+
+def _pcts(values) -> dict[str, float]:
+    v = list(values)
+    return {"p50": percentile(v, 50) * 1e3, "p99": percentile(v, 99) * 1e3,
+            "max": max(v, default=0.0) * 1e3, "n": len(v)}
 
 
 def _rate(n: float, seconds: float) -> float:

@@ -1,0 +1,61 @@
+"""Independent counts for ledger tests: the aten ops a step actually runs, and the tensors the runner
+hands to the model. Nothing here reads costs.py."""
+
+from __future__ import annotations
+
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_leaves
+
+
+def _ptr(t: torch.Tensor) -> int:
+    return t.untyped_storage().data_ptr()
+
+
+class TrafficCounter(TorchDispatchMode):
+    """Counts from the ops that run, never from costs.py: weight tensors touched (each use of a weight
+    in an op with a non-empty result reads all of it; the embedding only the rows indexed), K/V slots
+    gathered from and written to the cache tensors, copy-on-write copies, matmul and attention FLOPs."""
+
+    def __init__(self, model, kv) -> None:
+        super().__init__()
+        objs = [model.norm, model.lm_head] + [v for layer in model.layers for v in vars(layer).values()]
+        self.weights = {_ptr(t) for o in objs for t in (getattr(o, "weight", None), getattr(o, "bias", None))
+                        if isinstance(t, torch.Tensor)}
+        self.embed = _ptr(model.embed)
+        self.kv = {_ptr(t) for t in (*kv.k, *kv.v)}
+        self.weight_bytes = self.kv_read = self.kv_write = self.kv_copy = self.flops = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        name = func.overloadpacket.__name__
+        first = args[0] if args and isinstance(args[0], torch.Tensor) else None
+        if name == "index" and first is not None and _ptr(first) in (self.kv | {self.embed}):
+            if _ptr(first) == self.embed:
+                self.weight_bytes += out.nbytes
+            else:
+                self.kv_read += out.nbytes
+        elif name == "index_put_" and _ptr(first) in self.kv:
+            self.kv_write += args[2].nbytes
+        elif name == "copy_" and first is not None and _ptr(first) in self.kv:
+            self.kv_copy += 2 * args[1].nbytes
+        elif isinstance(out, torch.Tensor) and out.numel():
+            self.weight_bytes += sum(a.nbytes for a in tree_leaves((args, kwargs))
+                                     if isinstance(a, torch.Tensor) and _ptr(a) in self.weights)
+        if name in ("matmul", "mm") and out.numel():
+            self.flops += 2 * args[0].numel() * args[1].shape[-1]
+        elif name == "linear" and out.numel():
+            self.flops += 2 * args[0].numel() * args[1].shape[0]
+        elif name == "scaled_dot_product_attention":
+            B, H, Q, D = args[0].shape
+            self.flops += 4 * B * H * Q * args[1].shape[-2] * D
+        return out
+
+
+def model_input_bytes(inp) -> int:
+    """Bytes of the distinct tensors the runner handed to the model."""
+    ts = [inp.input_ids, inp.sample_rows, inp.meta.positions, inp.meta.slot_mapping]
+    for g in inp.meta.groups:
+        ts += [g.block_table, g.token_index, g.mask, g.mask_local]
+    uniq = {id(t): t for t in ts if t is not None}
+    return sum(t.nbytes for t in uniq.values())

@@ -1,0 +1,92 @@
+"""costs.py against an independent count: the aten ops a step runs (weights touched, K/V gathered and
+written, FLOPs) and the tensors the runner hands to the model (metadata), on tiny random models."""
+
+from __future__ import annotations
+
+import pytest
+from probe import TrafficCounter, model_input_bytes
+
+from tokenhaul.ledger.costs import ModelCosts, StepCosts, step_costs
+from tokenhaul.sampling_params import SamplingParams
+
+GREEDY = SamplingParams(max_tokens=8, temperature=0, ignore_eos=True)
+
+SCENARIOS = {
+    "single": dict(lengths=[9]),
+    "unequal-batch": dict(lengths=[5, 9, 14]),  # padded decode group
+    "chunked-mixed": dict(lengths=[20, 11, 3], max_num_batched_tokens=8),  # decodes + prefill chunks together
+    "gemma-window": dict(arch="gemma3", lengths=[9, 4]),  # sliding-window masks past position 6
+    "bf16-kv": dict(dtype="bf16", lengths=[7, 10]),  # gather converts bf16 K/V to fp32
+}
+
+
+def drive(core, ledger, lengths):
+    """Run every request to the end, counting each step's traffic independently."""
+    for i, n in enumerate(lengths):
+        core.add_request(f"r{i}", [(7 * i + 3 * j) % 90 + 1 for j in range(n)], GREEDY)
+    inputs = []
+    prepare = core.runner.prepare
+    core.runner.prepare = lambda sched: inputs.append(prepare(sched)) or inputs[-1]
+    rows = []
+    while core.has_unfinished():
+        with TrafficCounter(core.model, core.kv) as tc:
+            core.step()
+        rows.append((ledger.steps[-1].costs, tc, model_input_bytes(inputs[-1])))
+    return rows
+
+
+@pytest.mark.parametrize("name", SCENARIOS)
+def test_bytes_and_flops_equal_independent_count(ledger_core, name):
+    kw = dict(SCENARIOS[name])
+    lengths = kw.pop("lengths")
+    core, ledger = ledger_core(**kw)
+    rows = drive(core, ledger, lengths)
+    assert len(rows) >= 8
+    for costs, tc, meta in rows:
+        assert costs.weight_bytes == pytest.approx(tc.weight_bytes, rel=0.02)
+        assert costs.kv_read_bytes == pytest.approx(tc.kv_read, rel=0.02)
+        assert costs.kv_write_bytes == pytest.approx(tc.kv_write, rel=0.02)
+        assert costs.flops == pytest.approx(tc.flops, rel=0.02)
+        assert costs.metadata_bytes == meta
+        assert costs.h2d_bytes == costs.d2h_bytes == 0  # one memory on a CPU
+    assert ledger.prompt_tokens == sum(lengths)  # mixed steps: decodes are not counted as prompt
+    if name == "unequal-batch":
+        assert any(c.kv_pad_bytes > 0 for c, _, _ in rows)
+
+
+def test_copy_on_write_bytes(ledger_core):
+    core, ledger = ledger_core()
+    with TrafficCounter(core.model, core.kv) as tc:
+        core.kv.copy_block(1, 2)
+    c = step_costs(ledger.costs, [(0, 1)], 1, kv_copy_tokens=core.kv.block_size, block_size=core.kv.block_size)
+    assert c.kv_copy_bytes == tc.kv_copy > 0
+
+
+def test_weights_from_model_tensors(ledger_core):
+    core, ledger = ledger_core()
+    m = core.model
+    linears = [v for layer in m.layers for v in vars(layer).values() if hasattr(v, "weight_bytes")]
+    mc = ModelCosts.from_model(m, 4)
+    assert mc.layer_weight_bytes == sum(lin.weight.nbytes for lin in linears)
+    assert mc.lm_head_bytes == m.lm_head.weight.nbytes
+    assert mc.kv_bytes_per_token * core.kv.num_blocks * core.kv.block_size == core.kv.nbytes
+
+
+def test_device_counts_host_transfers(ledger_core):
+    """On a GPU the metadata crosses to the device (aliased masks twice) and token ids come back."""
+    import dataclasses
+
+    _, ledger = ledger_core()
+    mc = dataclasses.replace(ledger.costs, device="cuda")
+    cpu = step_costs(ledger.costs, [(0, 12), (5, 1)], 2)
+    gpu = step_costs(mc, [(0, 12), (5, 1)], 2)
+    assert gpu.h2d_bytes >= gpu.metadata_bytes == cpu.metadata_bytes > 0
+    assert gpu.d2h_bytes == 2 * 8
+    assert step_costs(mc, [], 0) == StepCosts()
+
+
+def test_accumulate():
+    a, b = StepCosts(weight_bytes=3, flops=5), StepCosts(weight_bytes=4, kv_read_bytes=2)
+    a.add(b)
+    assert a.as_dict()["weight_bytes"] == 7 and a.kv_read_bytes == 2 and a.flops == 5
+    assert a.dram_bytes == 9 and a.total_bytes == 9

@@ -1,0 +1,146 @@
+"""The ledger on tiny random engines: bounded memory, recompute accounting, never steering, summary,
+findings, Perfetto trace, calibration cache. Fast: no real model, no measurement."""
+
+from __future__ import annotations
+
+import json
+import re
+from pathlib import Path
+
+import pytest
+
+from tokenhaul.ledger.findings import findings, four_costs, moved, stage_shares
+from tokenhaul.ledger.ledger import Ledger, percentile
+from tokenhaul.ledger.perfetto import trace_events, write_trace
+from tokenhaul.ledger.report import text_report
+from tokenhaul.ledger.roofline import Roofline
+from tokenhaul.sampling_params import SamplingParams
+
+ROOF = Roofline(20e9, 100e9, "test machine")
+GREEDY = SamplingParams(max_tokens=10, temperature=0, ignore_eos=True)
+
+
+def run(core, ledger, n_requests, length=9, params=GREEDY):
+    """Drive the core like LLM.generate does, reporting each delivered token to the ledger."""
+    for i in range(n_requests):
+        core.add_request(f"r{i}", [(5 * i + j) % 90 + 1 for j in range(length + i % 3)], params)
+    out = {}
+    while core.has_unfinished():
+        step = core.num_steps
+        for d in core.step():
+            out.setdefault(d.request_id, []).extend(d.new_token_ids)
+            if ledger is not None:
+                ledger.on_token(d.request_id, step, 1e-5, 1e-6)
+    return out
+
+
+def test_bounded_memory(ledger_core):
+    core, _ = ledger_core()
+    ledger = core.observer = Ledger(core.observer.costs, max_steps=4, max_tokens=32, max_requests=4)
+    run(core, ledger, 12)
+    assert ledger.num_steps == 10 and len(ledger.steps) == 4
+    assert ledger.num_tokens == 120 and len(ledger.tokens) == 32 and len(ledger.itl) == 32
+    assert len(ledger.requests) == 4
+    assert not ledger._live and len(ledger._closing) <= 256
+    s = ledger.summary(ROOF)
+    assert s["generated_tokens"] == 120 and s["steps"] == ledger.num_steps
+
+
+def test_preemption_recompute_counted(ledger_core):
+    core, ledger = ledger_core(num_kv_blocks=14, block_size=4, enable_prefix_caching=False)
+    params = SamplingParams(max_tokens=14, temperature=0, ignore_eos=True)
+    run(core, ledger, 4, params=params)
+    assert core.scheduler.num_preemptions > 0
+    assert ledger.num_preemptions == core.scheduler.num_preemptions
+    computed = ledger.prefill.tokens + ledger.decode.tokens
+    needed = sum(9 + i % 3 + 14 - 1 for i in range(4))  # each position once; the last token is never fed
+    assert ledger.recomputed_tokens == computed - needed > 0
+    assert ledger.prompt_tokens == sum(9 + i % 3 for i in range(4))
+    assert sum(r.recomputed for r in ledger.requests) == ledger.recomputed_tokens
+    c = four_costs(ledger, ROOF)
+    assert c["rollback_tokens"] > 0 and c["rollback_s"] > 0
+
+
+def test_observer_never_steers(ledger_core):
+    core, ledger = ledger_core()
+    with_ledger = run(core, ledger, 5)
+    core, _ = ledger_core()
+    core.observer = None
+    assert run(core, None, 5) == with_ledger
+
+
+def test_engine_never_reads_the_ledger():
+    root = Path(__file__).resolve().parents[2] / "tokenhaul"
+    for room in ("engine", "kv", "models", "layers", "decoding"):
+        for f in (root / room).glob("*.py"):
+            assert not re.search(r"^\s*(from|import) tokenhaul\.(ledger|whatif)", f.read_text(), re.M), f
+
+
+def test_summary_and_findings(ledger_core):
+    core, ledger = ledger_core()
+    run(core, ledger, 3)
+    s = ledger.summary(ROOF)
+    for k in ("weight_bytes_per_token", "kv_bytes_per_token", "prefill_tokens_per_s", "decode_tokens_per_s",
+              "stage_seconds", "roofline_fraction"):
+        assert k in s
+    assert set(s["stage_seconds"]) >= {"schedule", "prepare", "forward", "sample", "update", "detokenize",
+                                       "deliver"}
+    assert all(v >= 0 for v in s["stage_seconds"].values())
+    assert s["weight_bytes_per_token"] > 0 and 0 < s["roofline_fraction"]
+    assert s["generated_tokens"] == 30 and s["itl_ms"]["n"] == 27 and s["ttft_ms"]["n"] == 3
+    assert s["prompt_tokens"] == 9 + 10 + 11
+    fs = findings(ledger, ROOF)
+    assert len(fs) == 5 and all(f.answer for f in fs)
+    assert all(v >= 0 for f in fs for v in f.figures.values())
+    assert sum(stage_shares(ledger).values()) > 0
+    assert "waiting on data" in fs[0].answer and "of ITL" in fs[2].answer
+    assert text_report(ledger, ROOF).count("\n") >= 10
+
+
+def test_moved():
+    a = dict(compute_flops=1e9, memory_bytes=5e8, sync_s=1e-3, rollback_tokens=0.0)
+    b = dict(compute_flops=1e9, memory_bytes=1.25e8, sync_s=1.01e-3, rollback_tokens=0.0)
+    assert moved(a, b) == {"memory_bytes": -0.75}
+
+
+def test_perfetto_trace(ledger_core, tmp_path):
+    core, ledger = ledger_core()
+    run(core, ledger, 2)
+    path = write_trace(ledger, tmp_path / "t" / "trace.json")
+    ev = json.loads(path.read_text())["traceEvents"]
+    names = {e["args"]["name"] for e in ev if e["ph"] == "M" and e["name"] == "thread_name"}
+    assert {"schedule", "forward", "detokenize", "deliver", "r0", "r1"} <= names
+    spans = [e for e in ev if e["ph"] == "X"]
+    assert all(e["dur"] >= 0 and e["ts"] >= 0 for e in spans)
+    assert sum(e["name"] == "forward" for e in spans) == ledger.num_steps
+    counters = {e["name"] for e in ev if e["ph"] == "C"}
+    assert counters == {"KV blocks", "bytes per step (MB)"}
+    assert sum(e["name"] == "token" for e in ev) == 20
+    assert trace_events(ledger) == ev
+
+
+def test_percentile():
+    assert percentile([], 99) == 0.0
+    assert percentile(range(1, 101), 50) == 50 and percentile(range(1, 101), 99) == 99
+    assert percentile([3.0], 99) == 3.0
+
+
+def test_calibration_cached(tmp_path, monkeypatch):
+    from tokenhaul.whatif import calibrate as cal
+
+    roof, entry = cal.calibrate(root=tmp_path, nbytes=2**24, gemm_n=128)
+    assert roof.bandwidth > 0 and roof.peak_flops > 0 and entry["threads"] >= 1
+    table = json.loads(cal.calibration_path(tmp_path).read_text())
+    assert list(table) == [cal.machine_key("cpu")] == [roof.key]
+    cal._memo.clear()
+    monkeypatch.setattr(cal, "measure", lambda *a, **k: pytest.fail("measured again"))
+    assert cal.machine_roofline("cpu", tmp_path) == roof
+    assert roof.position(roof.bandwidth, 0, 1.0).roofline_fraction == pytest.approx(1.0)
+
+
+def test_empty_ledger_reads_cleanly(ledger_core):
+    from tokenhaul.ledger.report import html_report
+
+    _, ledger = ledger_core()
+    assert ledger.summary(ROOF)["roofline_fraction"] == 0.0
+    assert len(findings(ledger, ROOF)) == 5 and "<html>" in html_report(ledger, ROOF)

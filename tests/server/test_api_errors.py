@@ -1,0 +1,168 @@
+"""Bad requests get 4xx with an OpenAI error body and never a 5xx; back-pressure says 429 / 503.
+Runs over the scripted model (fast); schemathesis fuzzes the app's own OpenAPI schema."""
+
+from __future__ import annotations
+
+import json
+import threading
+
+import httpx
+import pytest
+import schemathesis
+from hypothesis import HealthCheck, given, settings
+from serverkit import ServerThread, script_engine, wait_idle
+
+from tokenhaul.server.app import build_app
+from tokenhaul.server.protocol import ErrorResponse
+
+LONG = "word " * 400  # > 256 tokens: the scripted server's context
+CMPL, CHAT = "/v1/completions", "/v1/chat/completions"
+USER = [{"role": "user", "content": "hi"}]
+
+BAD = [
+    # (path, body, status, param, code)
+    (CMPL, b'{"prompt": "x",', 400, None, "invalid_json"),
+    (CMPL, b"not json at all", 400, None, "invalid_json"),
+    (CMPL, [1, 2], 400, None, None),
+    (CMPL, {}, 400, "prompt", "missing"),
+    (CMPL, {"model": "gpt-17", "prompt": "x"}, 404, "model", "model_not_found"),
+    (CMPL, {"prompt": "x", "max_tokens": -1}, 400, "max_tokens", None),
+    (CMPL, {"prompt": "x", "max_tokens": 0}, 400, "max_tokens", None),
+    (CMPL, {"prompt": "x", "max_tokens": "5"}, 400, "max_tokens", "int_type"),
+    (CMPL, {"prompt": "x", "max_tokens": 2.5}, 400, "max_tokens", "int_type"),
+    (CMPL, {"prompt": 5}, 400, None, None),
+    (CMPL, {"prompt": "x", "temperature": "hot"}, 400, "temperature", "float_type"),
+    (CMPL, {"prompt": "x", "temperature": -1}, 400, "temperature", None),
+    (CMPL, {"prompt": "x", "top_p": 0}, 400, "top_p", None),
+    (CMPL, {"prompt": "x", "stream": "yes"}, 400, "stream", "bool_type"),
+    (CMPL, {"prompt": "x", "stop": 3}, 400, None, None),
+    (CMPL, {"prompt": "x", "n": 0}, 400, "n", "greater_than_equal"),
+    (CMPL, {"prompt": "x", "n": 1000}, 400, "n", "less_than_equal"),
+    (CMPL, {"prompt": "x", "logprobs": 50}, 400, "logprobs", None),
+    (CMPL, {"prompt": "x", "presence_penalty": 9}, 400, "presence_penalty", None),
+    (CMPL, {"prompt": "x", "echo": True}, 400, None, None),
+    (CMPL, {"prompt": LONG}, 400, "prompt", "context_length_exceeded"),
+    (CMPL, {"prompt": [10**9]}, 400, None, None),
+    (CMPL, {"prompt": [-3, 5]}, 400, None, None),
+    (CMPL, {"prompt": ""}, 400, None, None),
+    (CMPL, {"prompt": []}, 400, None, None),
+    (CMPL, {"prompt": ["a", "b"], "n": 40}, 400, None, None),
+    (CHAT, {"messages": []}, 400, "messages", "too_short"),
+    (CHAT, {"messages": "hi"}, 400, "messages", "list_type"),
+    (CHAT, {"messages": [{"content": "hi"}]}, 400, "messages.0.role", "missing"),
+    (CHAT, {"messages": [{"role": "user", "content": [{"type": "image_url"}]}]}, 400, None, None),
+    (CHAT, {"messages": USER, "top_logprobs": 2}, 400, None, None),
+    (CHAT, {"messages": USER, "max_completion_tokens": -5}, 400, "max_tokens", None),
+    (CHAT, {"messages": [{"role": "user", "content": LONG}]}, 400, "messages", "context_length_exceeded"),
+    (CHAT, {"model": "other", "messages": USER}, 404, "model", "model_not_found"),
+]
+
+
+def check_error(r: httpx.Response, status: int, param: str | None = None, code: str | None = None) -> dict:
+    assert r.status_code == status, r.text
+    body = r.json()
+    ErrorResponse.model_validate(body)
+    err = body["error"]
+    assert set(err) == {"message", "type", "param", "code"}
+    assert err["message"] and "\n" not in err["message"]
+    if param is not None:
+        assert err["param"] == param, err
+    if code is not None:
+        assert err["code"] == code, err
+    return err
+
+
+@pytest.mark.parametrize("path,body,status,param,code", BAD)
+def test_bad_request_is_4xx_with_openai_error(script_server, client, path, body, status, param, code):
+    url, engine, _ = script_server
+    for stream in (False, True):
+        if isinstance(body, bytes):
+            r = client.post(url + path, content=body, headers={"content-type": "application/json"})
+        else:
+            b = body | {"stream": stream} if isinstance(body, dict) and "stream" not in body else body
+            r = client.post(url + path, json=b)
+        check_error(r, status, param, code)
+    assert client.get(url + "/health").status_code == 200
+    assert engine.num_unfinished == 0
+
+
+def test_unknown_route_and_method(script_server, client):
+    url = script_server[0]
+    check_error(client.get(url + "/v1/nothing"), 404)
+    check_error(client.get(url + CMPL), 405)
+
+
+def test_good_request_after_bad_ones(script_server, client):
+    url = script_server[0]
+    r = client.post(url + CMPL, json={"prompt": "Hello", "max_tokens": 5})
+    assert r.status_code == 200
+    assert r.json()["usage"]["completion_tokens"] == 5
+
+
+def test_queue_full_is_429_with_reason(tokenizer):
+    engine, model = script_engine(tokenizer, max_waiting=2, max_num_seqs=1)
+    model.delay = 0.05
+    with ServerThread(build_app(engine)) as srv, httpx.Client(timeout=60) as c:
+        body = {"prompt": "Hello", "max_tokens": 20}
+        results: list[httpx.Response] = []
+        threads = [threading.Thread(target=lambda: results.append(c.post(srv.url + CMPL, json=body)))
+                   for _ in range(2)]
+        for t in threads:
+            t.start()
+        while engine.num_waiting < 1 or engine.num_unfinished < 2:  # both admitted; one waits for the other
+            threading.Event().wait(0.005)
+        r = c.post(srv.url + CMPL, json=body | {"n": 2})
+        err = check_error(r, 429, code="queue_full")
+        assert "waiting" in err["message"] and r.headers["retry-after"] == "1"
+        for t in threads:
+            t.join()
+        assert [x.status_code for x in results] == [200, 200]
+        assert "tokenhaul_requests_rejected_total{reason=\"queue_full\"} 1.0" in c.get(srv.url + "/metrics").text
+
+
+def test_engine_down_is_503(tokenizer):
+    engine, _ = script_engine(tokenizer)
+    with ServerThread(build_app(engine)) as srv, httpx.Client(timeout=30) as c:
+        assert c.get(srv.url + "/health").status_code == 200
+        engine.core_thread.shutdown()
+        check_error(c.get(srv.url + "/health"), 503, code="engine_unavailable")
+        check_error(c.post(srv.url + CMPL, json={"prompt": "x"}), 503, code="engine_unavailable")
+
+
+# schemathesis: fuzz every operation against the schema the app publishes ---------------------------
+# (schemathesis' pytest plugin trips over pytest 9's node ids, so its strategies are used directly)
+@pytest.mark.parametrize("mode", ["positive", "negative"])
+def test_schemathesis(script_server, mode):
+    from schemathesis import GenerationMode
+    from schemathesis.checks import not_a_server_error
+    from schemathesis.specs.openapi.checks import (
+        content_type_conformance,
+        negative_data_rejection,
+        response_schema_conformance,
+        status_code_conformance,
+    )
+
+    url, engine, _ = script_server
+    schema = schemathesis.openapi.from_url(url + "/openapi.json")
+    checks = [not_a_server_error, status_code_conformance, content_type_conformance, response_schema_conformance]
+    if mode == "negative":
+        checks.append(negative_data_rejection)
+
+    @given(case=schema.as_strategy(GenerationMode(mode)))
+    @settings(max_examples=40, deadline=None, suppress_health_check=list(HealthCheck), database=None)
+    def fuzz(case):
+        b = case.body
+        if isinstance(b, dict):  # keep generation short: non-greedy sampling is slow on a busy CPU
+            for k, cap in (("max_tokens", 4), ("max_completion_tokens", 4), ("n", 2)):
+                if isinstance(b.get(k), int) and not isinstance(b.get(k), bool):
+                    b[k] = min(b[k], cap)
+            if not isinstance(b.get("max_completion_tokens"), int):
+                b.setdefault("max_tokens", 4)
+        r = case.call(base_url=url, timeout=60)
+        case.validate_response(r, checks=checks)
+        if r.status_code >= 400:
+            ErrorResponse.model_validate(json.loads(r.text))
+
+    fuzz()
+    wait_idle(engine)
+    assert httpx.get(url + "/health").status_code == 200

@@ -1,0 +1,81 @@
+"""The official `openai` client, unchanged, against the server on the real model."""
+
+from __future__ import annotations
+
+import openai
+import pytest
+from serverkit import MODEL
+
+from tokenhaul.server.protocol import ChatCompletionChunk, ChatCompletionResponse, CompletionResponse
+
+pytestmark = pytest.mark.real_model
+
+
+@pytest.fixture(scope="module")
+def oai(real_server):
+    with openai.OpenAI(base_url=real_server[0] + "/v1", api_key="unused", max_retries=0, timeout=120) as c:
+        yield c
+
+
+def test_models(oai):
+    ids = [m.id for m in oai.models.list()]
+    assert ids == [MODEL]
+
+
+def test_completions_plain_and_stream(oai):
+    kw = dict(model=MODEL, prompt="The capital of France is", max_tokens=12, temperature=0)
+    r = oai.completions.create(**kw)
+    CompletionResponse.model_validate(r.model_dump())
+    text = r.choices[0].text
+    assert "Paris" in text and r.choices[0].finish_reason in ("stop", "length")
+    assert r.usage.prompt_tokens > 0 and r.usage.completion_tokens > 0
+    chunks = list(oai.completions.create(**kw, stream=True, stream_options={"include_usage": True}))
+    assert "".join(c.choices[0].text for c in chunks if c.choices) == text
+    assert chunks[-1].usage.completion_tokens == r.usage.completion_tokens
+    assert chunks[-2].choices[0].finish_reason == r.choices[0].finish_reason
+
+
+def test_completions_logprobs(oai):
+    r = oai.completions.create(model=MODEL, prompt="1, 2, 3,", max_tokens=4, temperature=0, logprobs=2)
+    lp = r.choices[0].logprobs
+    assert len(lp.tokens) == len(lp.token_logprobs) == len(lp.top_logprobs) == 4
+    assert "".join(lp.tokens) == r.choices[0].text
+    for tok, value, top in zip(lp.tokens, lp.token_logprobs, lp.top_logprobs):
+        assert value <= 0 and len(top) == 2 and top[tok] == max(top.values()) == pytest.approx(value)  # greedy
+
+
+def test_chat_plain_and_stream(oai):
+    msgs = [{"role": "system", "content": "You are terse."}, {"role": "user", "content": "Name a colour."}]
+    kw = dict(model=MODEL, messages=msgs, max_tokens=16, temperature=0.7, seed=7)
+    r = oai.chat.completions.create(**kw)
+    ChatCompletionResponse.model_validate(r.model_dump())
+    msg = r.choices[0].message
+    assert msg.role == "assistant" and msg.content
+    stream = oai.chat.completions.create(**kw, stream=True, stream_options={"include_usage": True})
+    chunks = list(stream)
+    for c in chunks:
+        ChatCompletionChunk.model_validate(c.model_dump())
+    assert chunks[0].choices[0].delta.role == "assistant"
+    assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == msg.content
+    assert chunks[-1].usage.total_tokens == r.usage.total_tokens
+
+
+def test_chat_logprobs_and_n_with_seed(oai):
+    kw = dict(model=MODEL, messages=[{"role": "user", "content": "Say something."}], max_tokens=8,
+              temperature=1.0, seed=42, logprobs=True, top_logprobs=3)
+    two = oai.chat.completions.create(**kw, n=2)
+    assert [c.index for c in two.choices] == [0, 1]
+    for c in two.choices:
+        assert len(c.logprobs.content) == two.usage.completion_tokens // 2 or c.finish_reason == "stop"
+        assert all(len(t.top_logprobs) == 3 and t.bytes == list(t.token.encode()) for t in c.logprobs.content)
+    one = oai.chat.completions.create(**kw | {"seed": 43})  # choice 1 of seed 42 is seeded 43
+    assert one.choices[0].message.content == two.choices[1].message.content
+
+
+def test_errors_surface_as_openai_exceptions(oai):
+    with pytest.raises(openai.NotFoundError) as e:
+        oai.completions.create(model="nope", prompt="x")
+    assert e.value.body["code"] == "model_not_found"
+    with pytest.raises(openai.BadRequestError) as e:
+        oai.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "x"}], max_tokens=-1)
+    assert "max_tokens" in e.value.message

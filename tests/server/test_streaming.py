@@ -1,0 +1,110 @@
+"""Streamed text equals non-streamed text; stop strings never leak, streamed or not.
+
+Exhaustive over stop-string positions on the scripted model (its output mixes ASCII, CJK, emoji and
+code, split across tokens); then on the real model with Chinese, emoji and code prompts."""
+
+from __future__ import annotations
+
+import json
+from concurrent.futures import ThreadPoolExecutor
+
+import httpx
+import pytest
+
+CMPL = "/v1/completions"
+
+
+def sse(c: httpx.Client, url: str, body: dict) -> tuple[list[dict], list[str]]:
+    """POST a streaming request → (JSON chunks, raw data lines incl. [DONE])."""
+    with c.stream("POST", url, json=body | {"stream": True}) as r:
+        assert r.status_code == 200, r.read()
+        assert r.headers["content-type"].startswith("text/event-stream")
+        data = [ln[len("data: "):] for ln in r.iter_lines() if ln.startswith("data: ")]
+    assert data[-1] == "[DONE]"
+    return [json.loads(d) for d in data[:-1]], data
+
+
+def stream_text(c: httpx.Client, url: str, body: dict) -> tuple[str, str | None]:
+    """Concatenated text of choice 0 of a streamed completion, and its finish reason."""
+    chunks, _ = sse(c, url, body)
+    text, finish = "", None
+    for ch in chunks:
+        for choice in ch["choices"]:
+            text += choice["text"]
+            finish = choice["finish_reason"] or finish
+    return text, finish
+
+
+def plain_text(c: httpx.Client, url: str, body: dict) -> tuple[str, str | None]:
+    r = c.post(url, json=body)
+    assert r.status_code == 200, r.text
+    ch = r.json()["choices"][0]
+    return ch["text"], ch["finish_reason"]
+
+
+def both(c: httpx.Client, url: str, body: dict) -> tuple[tuple[str, str | None], tuple[str, str | None]]:
+    return plain_text(c, url, body), stream_text(c, url, body)
+
+
+# scripted model ------------------------------------------------------------------------------------
+def test_script_stream_equals_plain_and_stops_never_leak(script_server, client):
+    url = script_server[0] + CMPL
+    base = {"prompt": "Start:", "max_tokens": 48, "temperature": 0}
+    (ref, fin), streamed = both(client, url, base)
+    assert fin == "length" and streamed == (ref, fin)
+    assert "你好" in ref and "🚀" in ref and "return" in ref
+    stops = {ref[i:i + k] for i in range(0, len(ref) - 3, 2) for k in (1, 3) if ref[i:i + k].strip()}
+    stops |= {"你好", "世界。🙂", "🚀", "return", "\n    ", "b):", "done.\n"}
+    cases = []
+    for stop in sorted(stops):
+        cut = ref.find(stop)
+        cases += [({"stop": stop}, ref[:cut]),
+                  ({"stop": [stop], "include_stop_str_in_output": True}, ref[:cut + len(stop)])]
+    with ThreadPoolExecutor(16) as pool:  # the scripted model's output does not depend on the batch
+        got = list(pool.map(lambda case: both(client, url, base | case[0]), cases))
+    for (body, want), ((p, pf), (s, sf)) in zip(cases, got):
+        assert p == s == want, (body, p, s, want)
+        assert pf == sf == "stop"
+
+
+def test_script_several_stops_earliest_wins(script_server, client):
+    url = script_server[0] + CMPL
+    base = {"prompt": "Start:", "max_tokens": 48, "temperature": 0}
+    ref, _ = plain_text(client, url, base)
+    stops = ["return", "世界", "🚀"]
+    want = ref[:min(ref.find(s) for s in stops)]
+    assert both(client, url, base | {"stop": stops}) == ((want, "stop"), (want, "stop"))
+
+
+def test_script_n_choices_stream(script_server, client):
+    url = script_server[0] + CMPL
+    chunks, _ = sse(client, url, {"prompt": ["a", "b b b"], "n": 2, "max_tokens": 6,
+                                  "stream_options": {"include_usage": True}})
+    texts = ["", "", "", ""]
+    for ch in chunks[:-1]:
+        for choice in ch["choices"]:
+            texts[choice["index"]] += choice["text"]
+    assert texts[0] == texts[1] and texts[2] == texts[3] and texts[0] != texts[2]
+    usage = chunks[-1]["usage"]
+    assert chunks[-1]["choices"] == [] and usage["completion_tokens"] == 24
+
+
+# real model -------------------------------------------------------------------------------------
+PROMPTS = {
+    "chinese": "请用中文写一首关于春天的短诗：\n",
+    "emoji": "Reply with a row of emojis about a party 🎉🥳: ",
+    "code": 'def fibonacci(n):\n    """Return the n-th Fibonacci number."""\n',
+}
+
+
+@pytest.mark.real_model
+@pytest.mark.parametrize("name", list(PROMPTS))
+def test_real_stream_equals_plain_and_stop_does_not_leak(real_server, client, name):
+    url = real_server[0] + CMPL
+    base = {"prompt": PROMPTS[name], "max_tokens": 24, "temperature": 0.8, "seed": 1234, "ignore_eos": True}
+    (text, fin), streamed = both(client, url, base)
+    assert streamed == (text, fin) and fin == "length" and text
+    mid = len(text) // 2
+    stop = text[mid:mid + 2] if text[mid:mid + 2].strip() else text[mid:mid + 3]
+    want = text[:text.find(stop)]
+    assert both(client, url, base | {"stop": [stop]}) == ((want, "stop"), (want, "stop"))

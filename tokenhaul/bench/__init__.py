@@ -1,0 +1,1 @@
+"""Benchmarks that ship with the package: the serving load generator (`tokenhaul bench serve`)."""

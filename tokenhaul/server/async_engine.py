@@ -1,0 +1,343 @@
+"""AsyncEngine: the server's front end to the engine core (vLLM v1 style).
+
+    HTTP handler ──add_request(prompt ids, params)──► CoreThread inbox ──► EngineCore.step() loop
+         ▲                                                                       │ token-id deltas
+         └── RequestStream ◄── detokenize + stop strings (OutputProcessor) ◄─────┘ (event loop)
+
+Everything here runs on the asyncio event loop, except the step loop (CoreThread). Tokenization,
+incremental detokenization and stop-string checks happen here, so they never block a step; the
+core sees token ids only. A stream whose reader goes away aborts its requests, which frees their
+KV blocks in the core at its next loop turn."""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import logging
+import time
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+
+from tokenhaul.engine.core import EngineCore
+from tokenhaul.errors import CapacityError, RequestError, TokenhaulError
+from tokenhaul.outputs import TokenLogprob
+from tokenhaul.sampling_params import SamplingParams
+from tokenhaul.server.core_thread import AddRequest, CoreOutputs, CoreThread
+from tokenhaul.server.metrics import ServerMetrics
+from tokenhaul.text.output_processor import OutputProcessor
+from tokenhaul.text.tokenizer import Tokenizer
+
+log = logging.getLogger("tokenhaul.server")
+_THREAD_ENCODE_CHARS = 4096  # longer texts are tokenized off the event loop
+
+
+class PromptTooLong(RequestError):
+    """The prompt leaves no room for a new token in the model's context."""
+
+
+class EngineOverloaded(TokenhaulError):
+    """The waiting queue is full; the client should retry later (HTTP 429)."""
+
+
+class EngineUnavailable(TokenhaulError):
+    """The engine is not running: not started, shutting down, or its thread died (HTTP 503)."""
+
+
+class EngineFailed(TokenhaulError):
+    """The core could not serve an admitted request (a failed step); the message says why."""
+
+
+@dataclass
+class GenerationDelta:
+    """What one request produced since the reader last looked: text and the token ids behind it."""
+
+    text: str
+    token_ids: list[int]
+    logprobs: list[TokenLogprob] | None
+    num_prompt_tokens: int
+    num_output_tokens: int  # so far, in all
+    finished: bool = False
+    finish_reason: str | None = None
+    stop_reason: str | None = None  # the stop string matched, if any
+
+    def merge(self, later: GenerationDelta) -> None:
+        """Append a later delta of the same request (the reader was slower than the engine)."""
+        self.text += later.text
+        self.token_ids += later.token_ids
+        if self.logprobs is not None and later.logprobs is not None:
+            self.logprobs += later.logprobs
+        self.num_output_tokens = later.num_output_tokens
+        self.finished, self.finish_reason, self.stop_reason = later.finished, later.finish_reason, later.stop_reason
+
+
+class RequestStream:
+    """The deltas of one API call's engine requests (its n choices), coalesced while the reader is
+    busy. Each item is a list of (choice index, delta) in index order; iteration ends when every
+    request has finished. Leaving `async with` early (or `abort()`) aborts what is unfinished."""
+
+    def __init__(self, engine: AsyncEngine, request_ids: list[str]) -> None:
+        self.request_ids = request_ids
+        self._engine = engine
+        self._pending: dict[int, GenerationDelta] = {}
+        self._unfinished = set(range(len(request_ids)))
+        self._error: Exception | None = None
+        self._event = asyncio.Event()
+
+    def __aiter__(self) -> RequestStream:
+        return self
+
+    async def __anext__(self) -> list[tuple[int, GenerationDelta]]:
+        while not self._pending and self._error is None:
+            if not self._unfinished:
+                raise StopAsyncIteration
+            await self._event.wait()
+            self._event.clear()
+        if self._error is not None:
+            raise self._error
+        items = sorted(self._pending.items())
+        self._pending.clear()
+        return items
+
+    async def __aenter__(self) -> RequestStream:
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        self.abort()
+
+    @property
+    def finished(self) -> bool:
+        return not self._unfinished
+
+    def abort(self) -> None:
+        """Abort the unfinished requests (idempotent); their KV blocks are freed by the core."""
+        for i in sorted(self._unfinished):
+            self._engine.abort(self.request_ids[i])
+        self._unfinished.clear()
+
+    # called by the engine, on the event loop ------------------------------------------------
+    def _put(self, index: int, delta: GenerationDelta) -> None:
+        if index in self._pending:
+            self._pending[index].merge(delta)
+        else:
+            self._pending[index] = delta
+        if delta.finished:
+            self._unfinished.discard(index)
+        self._event.set()
+
+    def _fail(self, index: int, error: Exception) -> None:
+        self._unfinished.discard(index)
+        if self._error is None:
+            self._error = error
+        self._event.set()
+
+
+@dataclass
+class _Entry:
+    """Front-end state of one engine request."""
+
+    stream: RequestStream
+    index: int
+    num_prompt_tokens: int
+    arrival: float = field(default_factory=time.perf_counter)
+    first_t: float | None = None
+    last_t: float = 0.0
+    num_seen: int = 0  # output tokens already handed to the stream
+
+
+class _LastMileProbe:
+    """Plugs into OutputProcessor's ledger slot: per-delta detokenize + stop-check seconds."""
+
+    def __init__(self, metrics: ServerMetrics) -> None:
+        self._hist = metrics.last_mile.labels("detokenize")
+
+    def on_token(self, request_id: str, step: int, detokenize_s: float, deliver_s: float = 0.0) -> None:
+        self._hist.observe(detokenize_s)
+
+
+class AsyncEngine:
+    """Front end: prompts in, RequestStreams out. Create, `await start()` on the serving event loop
+    (it binds to that loop), `await shutdown()` at the end."""
+
+    def __init__(self, core: EngineCore, tokenizer: Tokenizer, model_name: str, max_waiting: int = 256) -> None:
+        self.tokenizer = tokenizer
+        self.model_name = model_name
+        self.max_waiting = max_waiting
+        self.core_thread = CoreThread(core, self._from_core_thread)
+        self.limits = self.core_thread.limits
+        self.metrics = ServerMetrics(lambda: self.core_thread.stats)
+        self.processor = OutputProcessor(tokenizer, _LastMileProbe(self.metrics))
+        self.created = int(time.time())
+        self._eos = tuple(tokenizer.eos_token_ids)
+        self._entries: dict[str, _Entry] = {}
+        self._num_waiting = 0  # admitted requests without a first token yet
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._closing = False
+        self._ids = itertools.count()
+
+    @classmethod
+    def from_model(cls, model: str, served_model_name: str | None = None, max_waiting: int = 256,
+                   **engine_kwargs) -> AsyncEngine:
+        """Load a catalog model (or GGUF path) exactly as LLM does, and take over its core."""
+        from tokenhaul.llm import LLM
+
+        llm = LLM(model, **engine_kwargs)
+        return cls(llm.core, llm.tokenizer, served_model_name or model, max_waiting)
+
+    # lifecycle -----------------------------------------------------------------------------
+    async def start(self, start_core: bool = True) -> None:
+        """Bind to the running event loop; start the core's step loop in its own thread, unless the
+        caller runs it (`core_thread.run()`) in a thread of its own choosing."""
+        self._loop = asyncio.get_running_loop()
+        if start_core:
+            self.core_thread.start()
+
+    async def shutdown(self) -> None:
+        self._closing = True
+        self._fail_all(EngineUnavailable("the server is shutting down"))
+        await asyncio.to_thread(self.core_thread.shutdown)
+
+    @property
+    def healthy(self) -> bool:
+        return self._loop is not None and self.core_thread.alive and not self._closing
+
+    @property
+    def num_waiting(self) -> int:
+        return self._num_waiting
+
+    @property
+    def num_unfinished(self) -> int:
+        return len(self._entries)
+
+    # prompts -------------------------------------------------------------------------------
+    async def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        if len(text) > _THREAD_ENCODE_CHARS:
+            return await asyncio.to_thread(self.tokenizer.encode, text, add_special_tokens)
+        return self.tokenizer.encode(text, add_special_tokens)
+
+    async def encode_chat(self, messages: list[dict]) -> list[int]:
+        """Render the model's chat template (with the generation prompt) and tokenize it."""
+        return await self.encode(self.tokenizer.apply_chat_template(messages), add_special_tokens=False)
+
+    def check_token_ids(self, ids: list[int]) -> None:
+        """Client-given token ids must index the model's vocabulary."""
+        v = self.limits.vocab_size
+        bad = next((t for t in ids if not 0 <= t < v), None)
+        if bad is not None:
+            raise RequestError(f"prompt contains token id {bad}, outside the vocabulary [0, {v})")
+
+    def check_prompt(self, prompt_ids: list[int], params: SamplingParams) -> None:
+        """What the core's scheduler would refuse at admission, refused here first (as HTTP 400)."""
+        lim = self.limits
+        n = len(prompt_ids)
+        if n == 0:
+            raise RequestError("prompt is empty")
+        if n >= lim.max_model_len:
+            raise PromptTooLong(f"prompt has {n} tokens, but the model's context holds {lim.max_model_len} "
+                                f"(prompt + at least 1 new token)")
+        total = min(n + params.max_tokens, lim.max_model_len)
+        need = -(-total // lim.block_size)
+        if need > lim.num_blocks:
+            raise CapacityError(f"request needs {need} KV blocks ({total} tokens) but the pool has "
+                                f"{lim.num_blocks}; lower max_tokens")
+
+    # requests ------------------------------------------------------------------------------
+    def add_request(self, prompts: list[list[int]], params: list[SamplingParams], prefix: str = "req") -> RequestStream:
+        """Admit len(prompts) engine requests as one stream (choice i = prompts[i], params[i]).
+        Raises RequestError (bad prompt), EngineOverloaded or EngineUnavailable; admits all or none."""
+        if not self.healthy:
+            raise EngineUnavailable("the engine is not running" + (" (shutting down)" if self._closing else ""))
+        for ids, p in zip(prompts, params, strict=True):
+            self.check_prompt(ids, p)
+        if self._num_waiting + len(prompts) > self.max_waiting:
+            raise EngineOverloaded(f"server overloaded: {self._num_waiting} requests are waiting for their first "
+                                   f"token (limit {self.max_waiting}); retry later")
+        ids = [f"{prefix}-{next(self._ids)}" for _ in prompts]
+        stream = RequestStream(self, ids)
+        for i, (rid, prompt, p) in enumerate(zip(ids, prompts, params)):
+            self._entries[rid] = _Entry(stream, i, len(prompt))
+            self._num_waiting += 1
+            self.processor.add(rid, prompt, p)
+            self.metrics.prompt_tokens.inc(len(prompt))
+            self.core_thread.add(AddRequest(rid, list(prompt), p, self._eos))
+        return stream
+
+    async def generate(self, request_id: str, prompt_ids: list[int],
+                       params: SamplingParams) -> AsyncIterator[GenerationDelta]:
+        """One request's deltas; closing the iterator early aborts the request."""
+        async with self.add_request([prompt_ids], [params], request_id) as stream:
+            async for items in stream:
+                for _, delta in items:
+                    yield delta
+
+    def abort(self, request_id: str) -> None:
+        """Forget a request here and abort it in the core (a no-op if it already finished)."""
+        e = self._entries.pop(request_id, None)
+        if e is None:
+            return
+        if e.first_t is None:
+            self._num_waiting -= 1
+        self.processor.abort(request_id)
+        self.processor.outputs.pop(request_id, None)
+        self.metrics.requests.labels("abort").inc()
+        self.core_thread.abort(request_id)
+
+    # outputs from the core -------------------------------------------------------------------
+    def _from_core_thread(self, out: CoreOutputs) -> None:
+        """Called on the core thread: hand the step's outputs to the event loop, never wait for it."""
+        loop = self._loop
+        if loop is not None and not loop.is_closed():
+            try:
+                loop.call_soon_threadsafe(self._process, out)
+            except RuntimeError:  # the loop closed between the check and the call
+                pass
+
+    def _process(self, out: CoreOutputs) -> None:
+        updated, stopped = self.processor.process(out.deltas, out.step)
+        for rid in stopped:
+            self.core_thread.abort(rid, "stop")
+        now = time.perf_counter()
+        m = self.metrics
+        for o in updated:
+            e = self._entries.get(o.request_id)
+            if e is None:
+                continue
+            new_ids = o.token_ids[e.num_seen:]
+            lps = o.logprobs[e.num_seen:] if o.logprobs is not None else None
+            e.num_seen = len(o.token_ids)
+            if e.first_t is None:
+                e.first_t = now
+                self._num_waiting -= 1
+                m.ttft.observe(now - e.arrival)
+            else:
+                m.itl.observe(now - e.last_t)
+            e.last_t = now
+            m.generation_tokens.inc(len(new_ids))
+            e.stream._put(e.index, GenerationDelta(o.delta_text, new_ids, lps, e.num_prompt_tokens, e.num_seen,
+                                                   o.finished, o.finish_reason, o.stop_reason))
+            if o.finished:
+                del self._entries[o.request_id]
+                self.processor.outputs.pop(o.request_id, None)
+                m.e2e.observe(now - e.arrival)
+                m.requests.labels(o.finish_reason or "stop").inc()
+        for rid, reason in out.failed:
+            log.error("request %s failed in the core: %s", rid, reason)
+            self._fail(rid, EngineFailed(reason))
+        if out.dead is not None:
+            self._fail_all(EngineFailed(out.dead))
+
+    def _fail(self, request_id: str, error: Exception) -> None:
+        """End a request with an error its reader will raise; aborts it in the core too."""
+        e = self._entries.pop(request_id, None)
+        if e is None:
+            return
+        if e.first_t is None:
+            self._num_waiting -= 1
+        self.processor.abort(request_id)
+        self.processor.outputs.pop(request_id, None)
+        self.metrics.requests.labels("error").inc()
+        self.core_thread.abort(request_id, "error")
+        e.stream._fail(e.index, error)
+
+    def _fail_all(self, error: Exception) -> None:
+        for rid in list(self._entries):
+            self._fail(rid, error)

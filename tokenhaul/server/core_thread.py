@@ -1,0 +1,179 @@
+"""CoreThread: the engine core's step loop in its own thread. The only code that calls the core.
+
+Messages in (`AddRequest`, `AbortRequest`) arrive through a thread-safe queue and are applied
+between steps; each step's token-id deltas go out through a callback (the front end hands them to
+its event loop). Everything crossing the boundary is a small plain dataclass of ints and strings,
+so the thread could become a process without changing either side."""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import queue
+import threading
+import time
+import traceback
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+from tokenhaul.engine.core import EngineCore, RequestDelta
+from tokenhaul.errors import TokenhaulError
+from tokenhaul.sampling_params import SamplingParams
+
+log = logging.getLogger("tokenhaul.server")
+
+
+@dataclass(frozen=True)
+class AddRequest:
+    request_id: str
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    eos_token_ids: tuple[int, ...] = ()
+
+
+@dataclass(frozen=True)
+class AbortRequest:
+    request_id: str
+    reason: str = "abort"
+
+
+@dataclass(frozen=True)
+class CoreLimits:
+    """Static facts of the core, read once before the thread starts (safe to read anywhere)."""
+
+    max_model_len: int
+    block_size: int
+    num_blocks: int
+    vocab_size: int
+
+
+@dataclass(frozen=True)
+class CoreStats:
+    """A snapshot published by the core thread after every loop turn (replaced, never mutated)."""
+
+    num_running: int = 0
+    num_waiting: int = 0
+    kv_blocks_used: int = 0
+    kv_blocks_cached: int = 0
+    kv_blocks_total: int = 0
+    prefix_hit_tokens: int = 0
+    prefix_query_tokens: int = 0
+    num_preemptions: int = 0
+    num_steps: int = 0
+    step_seconds: float = 0.0  # total time spent inside core.step()
+
+
+@dataclass
+class CoreOutputs:
+    step: int
+    deltas: list[RequestDelta] = field(default_factory=list)
+    failed: list[tuple[str, str]] = field(default_factory=list)  # (request id, one-line reason)
+    dead: str | None = None  # the loop itself died: every request it was given is lost
+
+
+class CoreThread:
+    """Owns an EngineCore and runs its step loop (in its own thread, or in the caller's: `run`).
+    `add`/`abort` may be called from any thread; `on_outputs` is called from the loop's thread
+    after each step that produced something."""
+
+    def __init__(self, core: EngineCore, on_outputs: Callable[[CoreOutputs], None]) -> None:
+        self.core = core
+        self.limits = CoreLimits(core.max_model_len, core.pool.block_size, core.pool.num_blocks,
+                                 core.model.config.vocab_size)
+        self.stats = self._stats(0.0)
+        self._on_outputs = on_outputs
+        self._inbox: queue.SimpleQueue[AddRequest | AbortRequest | None] = queue.SimpleQueue()
+        self._thread = threading.Thread(target=self.run, name="tokenhaul-core", daemon=True)
+        self._running = False
+        self._step_seconds = 0.0
+        self.error: BaseException | None = None  # set if the loop itself died
+
+    # any thread ----------------------------------------------------------------------------
+    def start(self) -> None:
+        """Run the loop in a new thread."""
+        self._running = True
+        self._thread.start()
+
+    def add(self, msg: AddRequest) -> None:
+        self._inbox.put(msg)
+
+    def abort(self, request_id: str, reason: str = "abort") -> None:
+        self._inbox.put(AbortRequest(request_id, reason))
+
+    def shutdown(self, timeout: float = 10.0) -> None:
+        """Ask the loop to return (wherever it runs); join it if it runs in its own thread."""
+        self._inbox.put(None)
+        if self._thread.is_alive():
+            self._thread.join(timeout)
+
+    @property
+    def alive(self) -> bool:
+        return self._running
+
+    # the loop --------------------------------------------------------------------------------
+    def run(self) -> None:
+        """The step loop, in the calling thread, until shutdown() (or a crash, reported as `dead`).
+        `start()` runs it in a new thread; `tokenhaul serve` runs it in the main thread, where the
+        model was loaded: steps there are faster on CPU (per-thread OpenMP/MKL state)."""
+        self._running = True
+        try:
+            while True:
+                msgs = self._drain(block=not self.core.has_unfinished())
+                out = CoreOutputs(self.core.num_steps)
+                for m in msgs:
+                    if m is None:
+                        return
+                    self._apply(m, out)
+                if self.core.has_unfinished():
+                    t0 = time.perf_counter()
+                    try:
+                        out.deltas = self.core.step()
+                    except Exception as e:  # a broken step must not take the server down
+                        log.error("engine step failed:\n%s", traceback.format_exc())
+                        out.failed += self._fail_all(f"engine error: {type(e).__name__}: {e}")
+                    self._step_seconds += time.perf_counter() - t0
+                self.stats = self._stats(self._step_seconds)
+                if out.deltas or out.failed:
+                    self._on_outputs(out)
+        except BaseException as e:
+            self.error = e
+            if not isinstance(e, KeyboardInterrupt):
+                log.critical("core loop died:\n%s", traceback.format_exc())
+            self._on_outputs(CoreOutputs(self.core.num_steps, dead=f"engine stopped: {type(e).__name__}: {e}"))
+        finally:
+            self._running = False
+
+    def _drain(self, block: bool) -> list[AddRequest | AbortRequest | None]:
+        msgs = []
+        while block and not msgs:  # wake up now and then, so a signal can reach the main thread
+            with contextlib.suppress(queue.Empty):
+                msgs.append(self._inbox.get(timeout=1.0))
+        while True:
+            try:
+                msgs.append(self._inbox.get_nowait())
+            except queue.Empty:
+                return msgs
+
+    def _apply(self, m: AddRequest | AbortRequest, out: CoreOutputs) -> None:
+        if isinstance(m, AbortRequest):
+            self.core.abort(m.request_id, m.reason)
+            return
+        try:
+            self.core.add_request(m.request_id, m.prompt_token_ids, m.params, m.eos_token_ids)
+        except TokenhaulError as e:
+            out.failed.append((m.request_id, str(e)))
+
+    def _fail_all(self, reason: str) -> list[tuple[str, str]]:
+        ids = list(self.core.scheduler.requests)
+        for rid in ids:
+            try:
+                self.core.abort(rid, "error")
+            except Exception:  # state left half-updated by the failed step
+                log.error("abort of %s after a failed step:\n%s", rid, traceback.format_exc())
+        return [(rid, reason) for rid in ids]
+
+    def _stats(self, step_seconds: float) -> CoreStats:
+        c = self.core
+        return CoreStats(len(c.scheduler.running), len(c.scheduler.waiting), c.pool.num_used,
+                         c.pool.num_cached, c.pool.num_blocks, c.prefix_cache.hit_tokens,
+                         c.prefix_cache.query_tokens, c.scheduler.num_preemptions, c.num_steps, step_seconds)

@@ -1,0 +1,358 @@
+"""The OpenAI generation endpoints: validate, tokenize and admit a request (so every refusal is a
+4xx with an OpenAI error body before any byte is streamed), then read its RequestStream — as SSE
+chunks, or gathered into one response. A client that disconnects aborts its requests."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import math
+import time
+import uuid
+from collections.abc import AsyncIterator, Awaitable, Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+from fastapi import Request
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+
+from tokenhaul.errors import CapacityError, RequestError, TokenhaulError
+from tokenhaul.server import protocol as P
+from tokenhaul.server.async_engine import (
+    AsyncEngine,
+    EngineFailed,
+    EngineOverloaded,
+    EngineUnavailable,
+    GenerationDelta,
+    PromptTooLong,
+    RequestStream,
+)
+
+MAX_CHOICES = 64  # prompts × n per call
+_FIELDS = set(P.ChatCompletionRequest.model_fields) | set(P.CompletionRequest.model_fields)
+
+
+class APIError(Exception):
+    """An HTTP error with an OpenAI error body: {"error": {"message", "type", "param", "code"}}."""
+
+    def __init__(self, status: int, message: str, type: str = "invalid_request_error", param: str | None = None,
+                 code: str | None = None, headers: dict[str, str] | None = None) -> None:
+        super().__init__(message)
+        self.status, self.message, self.type, self.param, self.code = status, message, type, param, code
+        self.headers = headers
+
+    def body(self) -> dict:
+        return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
+
+    def response(self) -> JSONResponse:
+        return JSONResponse(self.body(), status_code=self.status, headers=self.headers)
+
+
+class ClientGone(Exception):
+    """The client disconnected before a non-streamed response was ready; its requests are aborted."""
+
+
+def api_error(e: TokenhaulError, prompt_param: str = "prompt") -> APIError:
+    """Engine-side exception → HTTP status and OpenAI error body."""
+    msg = str(e)
+    if isinstance(e, EngineOverloaded):
+        return APIError(429, msg, "rate_limit_error", code="queue_full", headers={"Retry-After": "1"})
+    if isinstance(e, EngineUnavailable):
+        return APIError(503, msg, "service_unavailable", code="engine_unavailable")
+    if isinstance(e, EngineFailed):
+        return APIError(500, msg, "server_error", code="engine_error")
+    if isinstance(e, PromptTooLong):
+        return APIError(400, msg, param=prompt_param, code="context_length_exceeded")
+    if isinstance(e, CapacityError):
+        return APIError(400, msg, param="max_tokens", code="kv_capacity_exceeded")
+    if isinstance(e, RequestError):
+        first = msg.split(" ", 1)[0]
+        return APIError(400, msg, param=first if first in _FIELDS else None)
+    return APIError(500, msg, "server_error")
+
+
+@dataclass
+class _Choice:
+    """One choice of a non-streamed response, gathered from its deltas."""
+
+    text: str = ""
+    num_tokens: int = 0
+    logprobs: list = field(default_factory=list)
+    finish_reason: str | None = None
+    stop_reason: str | None = None
+
+    def add(self, d: GenerationDelta) -> None:
+        self.text += d.text
+        self.num_tokens = d.num_output_tokens
+        self.logprobs += d.logprobs or []
+        if d.finished:
+            self.finish_reason, self.stop_reason = d.finish_reason, d.stop_reason
+
+
+class OpenAIHandlers:
+    """The two generation endpoints; one instance per app."""
+
+    def __init__(self, engine: AsyncEngine) -> None:
+        self.engine = engine
+        self._token_text: dict[int, str] = {}
+        self._frame_hist = engine.metrics.last_mile.labels("frame")
+
+    # shared steps ----------------------------------------------------------------------------
+    def _check_model(self, model: str | None) -> None:
+        if model is not None and model != self.engine.model_name:
+            self.engine.metrics.rejected.labels("model_not_found").inc()
+            raise APIError(404, f"model '{model}' does not exist; this server serves '{self.engine.model_name}'",
+                           param="model", code="model_not_found")
+
+    def _admit(self, prompts: list[list[int]], params: list, prefix: str, prompt_param: str) -> RequestStream:
+        try:
+            return self.engine.add_request(prompts, params, prefix)
+        except TokenhaulError as e:
+            reason = {EngineOverloaded: "queue_full", EngineUnavailable: "unavailable"}.get(type(e), "invalid")
+            self.engine.metrics.rejected.labels(reason).inc()
+            raise api_error(e, prompt_param) from None
+
+    def token_text(self, token_id: int) -> str:
+        s = self._token_text.get(token_id)
+        if s is None:
+            s = self._token_text[token_id] = self.engine.tokenizer.decode([token_id], skip_special_tokens=False)
+        return s
+
+    async def _gather(self, stream: RequestStream, n: int, request: Request) -> list[_Choice]:
+        """Read a stream to its end, one _Choice per choice; aborts the stream if the client
+        disconnects first."""
+
+        async def read() -> list[_Choice]:
+            acc = [_Choice() for _ in range(n)]
+            async with stream:
+                async for items in stream:
+                    for i, d in items:
+                        acc[i].add(d)
+            return acc
+
+        try:
+            return await _unless_disconnected(request, read())
+        except (EngineFailed, EngineUnavailable) as e:
+            raise api_error(e) from None
+
+    def _sse(self, stream: RequestStream, frames: Callable[[list[tuple[int, GenerationDelta]]], list[dict]],
+             tail: Callable[[], list[dict]], head: list[dict] | None = None) -> StreamingResponse:
+        hist = self._frame_hist
+
+        async def gen() -> AsyncIterator[str]:
+            async with stream:
+                try:
+                    if head:
+                        yield "".join(_frame(c) for c in head)
+                    async for items in stream:
+                        t0 = time.perf_counter()
+                        out = "".join(_frame(c) for c in frames(items))
+                        hist.observe(time.perf_counter() - t0)
+                        if out:
+                            yield out
+                    yield "".join(_frame(c) for c in tail())
+                except (EngineFailed, EngineUnavailable) as e:
+                    yield _frame(api_error(e).body())
+                yield "data: [DONE]\n\n"
+
+        return StreamingResponse(gen(), media_type="text/event-stream",
+                                 headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+
+    # /v1/completions ---------------------------------------------------------------------------
+    async def completions(self, body: P.CompletionRequest, request: Request) -> Response:
+        e = self.engine
+        self._check_model(body.model)
+        try:
+            body.check_unsupported()
+            batch = _num_prompts(body.prompt)
+            if batch * body.n > MAX_CHOICES:
+                raise RequestError(f"n × prompts is {batch * body.n}; at most {MAX_CHOICES} per call")
+            prompts = await self._completion_prompts(body.prompt)
+            params = [body.sampling_params(body.max_tokens if body.max_tokens is not None else 16, body.logprobs, i)
+                      for _ in prompts for i in range(body.n)]
+        except TokenhaulError as err:
+            raise api_error(err) from None
+        flat = [p for p in prompts for _ in range(body.n)]
+        rid = f"cmpl-{uuid.uuid4().hex}"
+        stream = self._admit(flat, params, rid, "prompt")
+        created, model = int(time.time()), e.model_name
+        n_prompt = sum(len(p) for p in prompts)
+        want_lp = body.logprobs is not None
+        offsets = [0] * len(flat)
+        out_tokens = [0] * len(flat)
+
+        def usage() -> dict:
+            done = sum(out_tokens)
+            return {"prompt_tokens": n_prompt, "completion_tokens": done, "total_tokens": n_prompt + done}
+
+        if not body.stream:
+            acc = await self._gather(stream, len(flat), request)
+            choices = []
+            for i, c in enumerate(acc):
+                out_tokens[i] = c.num_tokens
+                lp = self._completion_logprobs(c.logprobs, offsets, i) if want_lp else None
+                choices.append({"index": i, "text": c.text, "logprobs": lp, "finish_reason": c.finish_reason,
+                                "stop_reason": c.stop_reason})
+            return JSONResponse({"id": rid, "object": "text_completion", "created": created, "model": model,
+                                 "choices": choices, "usage": usage()})
+
+        def frames(items: list[tuple[int, GenerationDelta]]) -> list[dict]:
+            choices = []
+            for i, d in items:
+                out_tokens[i] = d.num_output_tokens
+                if not d.text and not d.finished and not want_lp:
+                    continue  # held back (stop-string prefix or incomplete character): nothing to say
+                lp = self._completion_logprobs(d.logprobs or [], offsets, i) if want_lp else None
+                choices.append({"index": i, "text": d.text, "logprobs": lp,
+                                "finish_reason": d.finish_reason if d.finished else None,
+                                "stop_reason": d.stop_reason})
+            if not choices:
+                return []
+            return [{"id": rid, "object": "text_completion", "created": created, "model": model,
+                     "choices": choices}]
+
+        def tail() -> list[dict]:
+            if not (body.stream_options and body.stream_options.include_usage):
+                return []
+            return [{"id": rid, "object": "text_completion", "created": created, "model": model,
+                     "choices": [], "usage": usage()}]
+
+        return self._sse(stream, frames, tail)
+
+    async def _completion_prompts(self, prompt: str | list) -> list[list[int]]:
+        if isinstance(prompt, str):
+            return [await self.engine.encode(prompt)]
+        if not prompt:
+            raise RequestError("prompt is empty")
+        if isinstance(prompt[0], int):
+            prompts = [prompt]
+        elif isinstance(prompt[0], str):
+            return [await self.engine.encode(p) for p in prompt]
+        else:
+            prompts = prompt
+        for p in prompts:
+            self.engine.check_token_ids(p)
+        return [list(p) for p in prompts]
+
+    def _completion_logprobs(self, lps: list, offsets: list[int], i: int) -> dict:
+        tokens, values, tops, text_offset = [], [], [], []
+        for lp in lps:
+            t = self.token_text(lp.token_id)
+            tokens.append(t)
+            values.append(_finite(lp.logprob))
+            tops.append({self.token_text(tid): _finite(v) for tid, v in lp.top} if lp.top is not None else None)
+            text_offset.append(offsets[i])
+            offsets[i] += len(t)
+        return {"tokens": tokens, "token_logprobs": values, "top_logprobs": tops, "text_offset": text_offset}
+
+    # /v1/chat/completions ----------------------------------------------------------------------
+    async def chat(self, body: P.ChatCompletionRequest, request: Request) -> Response:
+        e = self.engine
+        self._check_model(body.model)
+        try:
+            if body.top_logprobs is not None and not body.logprobs:
+                raise RequestError("top_logprobs requires logprobs to be true")
+            messages = [m.as_template_dict() for m in body.messages]
+            prompt = await e.encode_chat(messages)
+            max_tokens = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
+            if max_tokens is None:  # as much as fits in the context and the KV pool
+                room = min(e.limits.max_model_len, e.limits.num_blocks * e.limits.block_size) - len(prompt)
+                max_tokens = max(1, room)
+            lp = (body.top_logprobs or 0) if body.logprobs else None
+            params = [body.sampling_params(max_tokens, lp, i) for i in range(body.n)]
+        except TokenhaulError as err:
+            raise api_error(err, "messages") from None
+        rid = f"chatcmpl-{uuid.uuid4().hex}"
+        stream = self._admit([prompt] * body.n, params, rid, "messages")
+        created, model = int(time.time()), e.model_name
+        out_tokens = [0] * body.n
+        want_lp = body.logprobs
+
+        def usage() -> dict:
+            done = sum(out_tokens)
+            return {"prompt_tokens": len(prompt), "completion_tokens": done, "total_tokens": len(prompt) + done}
+
+        if not body.stream:
+            acc = await self._gather(stream, body.n, request)
+            choices = []
+            for i, c in enumerate(acc):
+                out_tokens[i] = c.num_tokens
+                choices.append({"index": i, "message": {"role": "assistant", "content": c.text},
+                                "logprobs": {"content": self._chat_logprobs(c.logprobs)} if want_lp else None,
+                                "finish_reason": c.finish_reason, "stop_reason": c.stop_reason})
+            return JSONResponse({"id": rid, "object": "chat.completion", "created": created, "model": model,
+                                 "choices": choices, "usage": usage()})
+
+        def chunk(choices: list[dict]) -> dict:
+            return {"id": rid, "object": "chat.completion.chunk", "created": created, "model": model,
+                    "choices": choices}
+
+        head = [chunk([{"index": i, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
+                        "finish_reason": None} for i in range(body.n)])]
+
+        def frames(items: list[tuple[int, GenerationDelta]]) -> list[dict]:
+            choices = []
+            for i, d in items:
+                out_tokens[i] = d.num_output_tokens
+                if not d.text and not d.finished and not want_lp:
+                    continue
+                choices.append({"index": i, "delta": {"content": d.text} if d.text else {},
+                                "logprobs": {"content": self._chat_logprobs(d.logprobs or [])} if want_lp else None,
+                                "finish_reason": d.finish_reason if d.finished else None})
+            return [chunk(choices)] if choices else []
+
+        def tail() -> list[dict]:
+            if not (body.stream_options and body.stream_options.include_usage):
+                return []
+            return [chunk([]) | {"usage": usage()}]
+
+        return self._sse(stream, frames, tail, head)
+
+    def _chat_logprobs(self, lps: list) -> list[dict]:
+        out = []
+        for lp in lps:
+            t = self.token_text(lp.token_id)
+            top = [{"token": (tt := self.token_text(tid)), "logprob": _finite(v), "bytes": list(tt.encode())}
+                   for tid, v in (lp.top or [])]
+            out.append({"token": t, "logprob": _finite(lp.logprob), "bytes": list(t.encode()), "top_logprobs": top})
+        return out
+
+
+def _num_prompts(prompt: str | list) -> int:
+    """A string or one list of token ids is one prompt; a list of strings or of id lists is several."""
+    return len(prompt) if isinstance(prompt, list) and prompt and not isinstance(prompt[0], int) else 1
+
+
+def _finite(x: float | None) -> float:
+    return -9999.0 if x is None or not math.isfinite(x) else x
+
+
+def _frame(obj: dict) -> str:
+    return "data: " + json.dumps(obj, ensure_ascii=False, separators=(",", ":")) + "\n\n"
+
+
+async def _unless_disconnected(request: Request, work: Awaitable[Any]) -> Any:
+    """Run `work`; if the client disconnects first, cancel it (its `async with stream` aborts the
+    engine requests) and raise ClientGone."""
+    task = asyncio.ensure_future(work)
+
+    async def disconnected() -> None:
+        while (await request.receive())["type"] != "http.disconnect":
+            pass
+
+    watcher = asyncio.ensure_future(disconnected())
+    try:
+        done, _ = await asyncio.wait({task, watcher}, return_when=asyncio.FIRST_COMPLETED)
+    except BaseException:  # the handler itself was cancelled (server shutdown)
+        task.cancel()
+        raise
+    finally:
+        watcher.cancel()
+    if task in done:
+        return task.result()
+    task.cancel()
+    with contextlib.suppress(asyncio.CancelledError):
+        await task
+    raise ClientGone()
+

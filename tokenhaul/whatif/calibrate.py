@@ -1,0 +1,121 @@
+"""Calibration: this machine's read bandwidth and fp32 GEMM FLOP/s, measured once and cached.
+
+Cached in `<cache root>/calibration.json`, one entry per CPU model | thread count | device, so the
+ledger's roofline follows `torch.set_num_threads` and the device in use. `machine_roofline` is what
+the ledger calls: it measures (a few seconds) only when no entry exists."""
+
+from __future__ import annotations
+
+import json
+import os
+import platform
+import time
+from pathlib import Path
+
+import torch
+
+from tokenhaul.ledger.roofline import Roofline
+from tokenhaul.models.catalog import cache_root
+
+CALIBRATION_FILE = "calibration.json"
+_memo: dict[str, Roofline] = {}
+
+
+def cpu_model() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
+def machine_key(device: str = "cpu", threads: int | None = None) -> str:
+    threads = threads or torch.get_num_threads()
+    dev = torch.cuda.get_device_name(torch.device(device)) if device.startswith("cuda") else device
+    return f"{cpu_model()} | threads={threads} | {dev}"
+
+
+def calibration_path(root: Path | None = None) -> Path:
+    return (root or cache_root()) / CALIBRATION_FILE
+
+
+def _sync(device: str) -> None:
+    if device.startswith("cuda"):
+        torch.cuda.synchronize()
+
+
+def _best(fn, device: str, repeats: int) -> float:
+    best = float("inf")
+    for _ in range(repeats):
+        _sync(device)
+        t = time.perf_counter()
+        fn()
+        _sync(device)
+        best = min(best, time.perf_counter() - t)
+    return best
+
+
+def measure_bandwidth(device: str = "cpu", nbytes: int = 2**30, repeats: int = 5) -> float:
+    """Read bandwidth in bytes/s: best time to sum an fp32 tensor of `nbytes` (1 GiB ≫ any cache)."""
+    x = torch.ones(nbytes // 4, dtype=torch.float32, device=device)
+    x.sum()  # touch every page before timing
+    seconds = _best(x.sum, device, repeats)
+    del x
+    return nbytes / seconds
+
+
+def measure_flops(device: str = "cpu", n: int | None = None, repeats: int = 3) -> float:
+    """fp32 GEMM FLOP/s: best time of an n×n @ n×n matmul (2048 on a CPU, 8192 on a GPU)."""
+    n = n or (8192 if device.startswith("cuda") else 2048)
+    a = torch.randn(n, n, device=device)
+    b = torch.randn(n, n, device=device)
+    a @ b  # warm up the BLAS
+    return 2 * n**3 / _best(lambda: a @ b, device, repeats)
+
+
+def measure(device: str = "cpu", nbytes: int = 2**30, gemm_n: int | None = None) -> dict:
+    t = time.perf_counter()
+    bandwidth = measure_bandwidth(device, nbytes)
+    flops = measure_flops(device, gemm_n)
+    return {"bandwidth_gb_per_s": bandwidth / 1e9, "gflop_per_s": flops / 1e9,
+            "threads": torch.get_num_threads(), "device": device, "measured_at": time.time(),
+            "measure_seconds": time.perf_counter() - t}
+
+
+def _load(path: Path) -> dict:
+    try:
+        return json.loads(path.read_text())
+    except (OSError, ValueError):
+        return {}
+
+
+def calibrate(device: str = "cpu", root: Path | None = None, **measure_kw) -> tuple[Roofline, dict]:
+    """Measure now and store the entry for this machine key (mutates the cache file)."""
+    key = machine_key(device)
+    entry = measure(device, **measure_kw)
+    path = calibration_path(root)
+    table = _load(path)
+    table[key] = entry
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_suffix(f".{os.getpid()}.tmp")
+    tmp.write_text(json.dumps(table, indent=1, sort_keys=True))
+    tmp.replace(path)
+    roof = _roofline(key, entry)
+    _memo[f"{root}|{key}"] = roof
+    return roof, entry
+
+
+def machine_roofline(device: str = "cpu", root: Path | None = None) -> Roofline:
+    """This machine's roofline for the current thread count: from the cache file, else measured now."""
+    key = machine_key(device)
+    memo = f"{root}|{key}"
+    if memo not in _memo:
+        entry = _load(calibration_path(root)).get(key)
+        _memo[memo] = _roofline(key, entry) if entry else calibrate(device, root)[0]
+    return _memo[memo]
+
+
+def _roofline(key: str, entry: dict) -> Roofline:
+    return Roofline(entry["bandwidth_gb_per_s"] * 1e9, entry["gflop_per_s"] * 1e9, key)
