@@ -16,7 +16,7 @@ from tokenhaul.sampling_params import SamplingParams
 def add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", default=catalog.DEFAULT_MODEL, help="catalog alias or path to a GGUF file")
     p.add_argument("--device", default="cpu")
-    p.add_argument("--dtype", default="fp32", help="compute dtype for weights: fp32 (default) or bf16")
+    p.add_argument("--dtype", default="bf16", help="weights and KV dtype: bf16 (default, fastest here) or fp32")
     p.add_argument("--threads", type=int, default=None)
     p.add_argument("--kv-memory", type=float, default=1.0, dest="kv_memory_gib", help="KV cache budget, GiB")
     p.add_argument("--num-kv-blocks", type=int, default=None, help="KV cache budget in blocks (overrides)")

@@ -73,7 +73,7 @@ class LLM:
             raise
         finally:
             self.core.observer = None
-        outs = [frontend.outputs[r] for r in ids]
+        outs = [frontend.release(r) for r in ids]
         for o in outs:
             o.ledger = ledger
         return outs

@@ -27,7 +27,7 @@ def test_prefix_cache_1000_token_prefix(smollm):
     assert len(ids) >= 1000
     a = ids + smollm.tokenizer.encode(" Question one: which parcels go by rail?")
     b = ids + smollm.tokenizer.encode(" Question two: what is parcel 5?")
-    cold = EngineCore(EngineConfig(enable_prefix_caching=False), smollm.model)
+    cold = EngineCore(EngineConfig(dtype="fp32", enable_prefix_caching=False), smollm.model)
     cold_out = run_one(cold, b)
     smollm.generate(a, GREEDY)
     hits_before = smollm.core.prefix_cache.hit_tokens
@@ -53,7 +53,7 @@ def test_preemption_real_model(smollm):
     prompts = [smollm.tokenizer.encode(f"Tell me about {t}.") for t in TOPICS[:6]]
     params = SamplingParams(max_tokens=24, temperature=0, ignore_eos=True)
     ref = [o.token_ids for o in smollm.generate(prompts, params)]
-    core = EngineCore(EngineConfig(num_kv_blocks=8, block_size=16), smollm.model)  # 128 slots for 6 × ~32 tokens
+    core = EngineCore(EngineConfig(dtype="fp32", num_kv_blocks=8, block_size=16), smollm.model)  # 128 slots for 6 × ~32 tokens
     for i, p in enumerate(prompts):
         core.add_request(f"r{i}", p, params)
     out = {f"r{i}": [] for i in range(len(prompts))}
@@ -66,7 +66,7 @@ def test_preemption_real_model(smollm):
 
 
 def test_abort_mid_generation_frees_blocks(smollm):
-    core = EngineCore(EngineConfig(num_kv_blocks=32), smollm.model)
+    core = EngineCore(EngineConfig(dtype="fp32", num_kv_blocks=32), smollm.model)
     core.add_request("a", smollm.tokenizer.encode("Count to one hundred:"),
                      SamplingParams(max_tokens=200, temperature=0, ignore_eos=True))
     for _ in range(4):
@@ -98,3 +98,28 @@ def test_logprobs_real(smollm):
     assert len(out.logprobs) == len(out.token_ids)
     for lp, tok in zip(out.logprobs, out.token_ids):
         assert lp.token_id == tok and lp.top[0][0] == tok and lp.logprob <= 0
+
+
+def test_bf16_default_agrees_with_fp32(smollm):
+    """The default dtype (bf16 weights and KV) against fp32: greedy top-1 agreement over a text's
+    positions — the quality cost of halving the bytes, measured rather than assumed."""
+    import torch
+
+    from tokenhaul.llm import LLM
+
+    bf16 = LLM("smollm2-135m")
+    assert bf16.config.dtype == "bf16"
+    ids = smollm.tokenizer.encode("The river carried parcels of silt from the mountains to the sea, where the "
+                                  "delta grew a little every year. Farmers planted rice on the new land and "
+                                  "the town built a harbour for the boats that took the harvest upstream.")
+    tops = []
+    for llm in (smollm, bf16):
+        core = llm.core
+        core.add_request("q", ids, SamplingParams(max_tokens=1))
+        inp = core.runner.prepare(core.scheduler.schedule())
+        with torch.inference_mode():
+            logits = llm.model.compute_logits(llm.model.forward(inp.input_ids, inp.meta, core.kv))
+        core.abort("q")
+        tops.append(logits.argmax(-1))
+    agreement = (tops[0] == tops[1]).float().mean().item()
+    assert agreement >= 0.9, agreement

@@ -15,7 +15,8 @@ def _ptr(t: torch.Tensor) -> int:
 class TrafficCounter(TorchDispatchMode):
     """Counts from the ops that run, never from costs.py: weight tensors touched (each use of a weight
     in an op with a non-empty result reads all of it; the embedding only the rows indexed), K/V slots
-    gathered from and written to the cache tensors, copy-on-write copies, matmul and attention FLOPs."""
+    gathered from (or read in place by attention) and written to the cache tensors, copy-on-write copies,
+    matmul and attention FLOPs."""
 
     def __init__(self, model, kv) -> None:
         super().__init__()
@@ -40,8 +41,10 @@ class TrafficCounter(TorchDispatchMode):
         elif name == "copy_" and first is not None and _ptr(first) in self.kv:
             self.kv_copy += 2 * args[1].nbytes
         elif isinstance(out, torch.Tensor) and out.numel():
-            self.weight_bytes += sum(a.nbytes for a in tree_leaves((args, kwargs))
-                                     if isinstance(a, torch.Tensor) and _ptr(a) in self.weights)
+            tensors = [a for a in tree_leaves((args, kwargs)) if isinstance(a, torch.Tensor)]
+            self.weight_bytes += sum(a.nbytes for a in tensors if _ptr(a) in self.weights)
+            if _ptr(out) not in self.kv:  # not a view op: it reads K/V in place from the cache
+                self.kv_read += sum(a.numel() * a.element_size() for a in tensors if _ptr(a) in self.kv)
         if name in ("matmul", "mm") and out.numel():
             self.flops += 2 * args[0].numel() * args[1].shape[-1]
         elif name == "linear" and out.numel():

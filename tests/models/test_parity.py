@@ -66,7 +66,7 @@ def engine_logits(llm: LLM, ids: list[int]) -> torch.Tensor:
 
 @pytest.fixture(scope="module", params=["smollm2-135m", "gemma3-270m", "qwen2.5-coder-0.5b"])
 def pair(request):
-    llm = LLM(request.param, max_num_batched_tokens=2048, enable_prefix_caching=False)
+    llm = LLM(request.param, dtype="fp32", max_num_batched_tokens=2048, enable_prefix_caching=False)
     hf = hf_model(llm)
     yield llm, hf
     del llm, hf

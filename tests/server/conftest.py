@@ -35,7 +35,7 @@ def script_server(tokenizer) -> Iterator[tuple[str, AsyncEngine, ScriptModel]]:
 @pytest.fixture(scope="session")
 def real_server(smollm) -> Iterator[tuple[str, AsyncEngine]]:
     """(url, engine) of a server over SmolLM2-135M (sharing the session LLM's weights), 512 KV blocks."""
-    cfg = EngineConfig(model=MODEL, num_kv_blocks=512, max_num_seqs=64)
+    cfg = EngineConfig(model=MODEL, dtype="fp32", num_kv_blocks=512, max_num_seqs=64)
     engine = AsyncEngine(EngineCore(cfg, smollm.model), smollm.tokenizer, MODEL)
     with ServerThread(build_app(engine)) as srv:
         yield srv.url, engine

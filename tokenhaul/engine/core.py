@@ -48,6 +48,7 @@ class StepRecord:
     kv_copy_tokens: int = 0  # token slots duplicated by copy-on-write this step
     rejected_tokens: int = 0  # tokens computed then thrown away (rejected speculative drafts)
     kv_block_size: int = 1  # attention gathers K/V in whole blocks of this many slots
+    kv_view_slots: int = 0  # key slots per layer read in place (consecutive blocks), not gathered
 
 
 class StepObserver(Protocol):
@@ -130,7 +131,8 @@ class EngineCore:
                  "update": t5 - t4},
                 [(c.request.request_id, c.start, c.num_tokens) for c in sched.chunks],
                 list(by_id), sched.preempted, self.pool.num_used, self.pool.num_cached,
-                len(sched.block_copies) * self.pool.block_size, kv_block_size=self.pool.block_size))
+                len(sched.block_copies) * self.pool.block_size, kv_block_size=self.pool.block_size,
+                kv_view_slots=inp.kv_view_slots))
             for r in finished:
                 self.observer.on_finish(r)
         self.num_steps += 1

@@ -19,6 +19,7 @@ class ModelInput:
     meta: AttentionMetadata
     sample_rows: torch.Tensor  # [N] rows of the hidden states whose logits are sampled
     sample_chunks: list[ScheduledChunk]  # the N chunks that sample, in row order
+    kv_view_slots: int = 0  # key slots per layer read in place (consecutive blocks), not gathered
 
 
 class ModelRunner:
@@ -55,7 +56,8 @@ class ModelRunner:
             slot_parts.append(table.gather(1, (pos_last // bs)[:, None])[:, 0] * bs + pos_last % bs)
             mask, local = self._masks(pos_last[:, None], table.shape[1] * bs)
             idx = None if single or not prefills else torch.arange(len(decodes))
-            groups.append(AttnGroup(len(decodes), 1, idx, table, mask, local))
+            start = self._consecutive(decodes[0].request.block_ids, table.shape[1]) if len(decodes) == 1 else None
+            groups.append(AttnGroup(len(decodes), 1, idx, table, mask, local, start))
             for r, c in enumerate(decodes):
                 if c.samples:  # a 1-token chunk mid-prompt does not sample
                     sample_rows.append(r)
@@ -68,22 +70,30 @@ class ModelRunner:
             slot_parts.append(table[0, p // bs] * bs + p % bs)
             mask, local = self._masks(p[None, :], table.shape[1] * bs)
             idx = None if single else torch.arange(row, row + c.num_tokens)
-            groups.append(AttnGroup(1, c.num_tokens, idx, table, mask, local))
+            groups.append(AttnGroup(1, c.num_tokens, idx, table, mask, local,
+                                    self._consecutive(c.request.block_ids, table.shape[1])))
             row += c.num_tokens
             if c.samples:
                 sample_rows.append(row - 1)
                 sample_chunks.append(c)
+        view_slots = sum(g.block_table.shape[1] * bs for g in groups if g.block_start is not None)
         dev = self.device
         meta = AttentionMetadata(positions.to(dev), torch.cat(slot_parts).to(dev),
                                  [self._to(g) for g in groups], len(ids))
         return ModelInput(torch.tensor(ids, dtype=torch.long, device=dev), meta,
-                          torch.tensor(sample_rows, dtype=torch.long, device=dev), sample_chunks)
+                          torch.tensor(sample_rows, dtype=torch.long, device=dev), sample_chunks, view_slots)
 
     @torch.inference_mode()
     def forward(self, inp: ModelInput) -> torch.Tensor:
         """Run the model; return fp32 logits [N, vocab] for the sampling rows."""
         hidden = self.model.forward(inp.input_ids, inp.meta, self.kv)
         return self.model.compute_logits(hidden[inp.sample_rows])
+
+    @staticmethod
+    def _consecutive(block_ids: list[int], n: int) -> int | None:
+        """First block id if the first n blocks are b, b+1, …, b+n-1 (attention can then read a view)."""
+        first = block_ids[0]
+        return first if block_ids[n - 1] - first == n - 1 and block_ids[:n] == list(range(first, first + n)) else None
 
     def _block_table(self, tables: list[list[int]], length: int) -> torch.Tensor:
         """Blocks holding positions [0, length) of each sequence → [B, num_blocks] (padding → block 0)."""
@@ -105,4 +115,5 @@ class ModelRunner:
         def mv(t: torch.Tensor | None) -> torch.Tensor | None:
             return None if t is None else t.to(self.device)
 
-        return AttnGroup(g.batch, g.q_len, mv(g.token_index), mv(g.block_table), mv(g.mask), mv(g.mask_local))
+        return AttnGroup(g.batch, g.q_len, mv(g.token_index), mv(g.block_table), mv(g.mask), mv(g.mask_local),
+                         g.block_start)

@@ -21,6 +21,7 @@ class AttnGroup:
     block_table: torch.Tensor  # [batch, num_blocks] KV blocks of each sequence in order (padding → 0)
     mask: torch.Tensor | None  # [batch, 1, q_len, num_blocks * block_size] True = may attend; None = all
     mask_local: torch.Tensor | None  # the same with the sliding window applied
+    block_start: int | None = None  # one sequence whose blocks are consecutive: read them as a view
 
 
 @dataclass
@@ -44,8 +45,13 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     for g in meta.groups:
         qg = q if g.token_index is None else q[g.token_index]
         qg = qg.view(g.batch, g.q_len, H, D).transpose(1, 2)
-        kg = k_cache[g.block_table].view(g.batch, -1, Hkv, D).transpose(1, 2).to(q.dtype)  # [B, Hkv, L, D]
-        vg = v_cache[g.block_table].view(g.batch, -1, Hkv, D).transpose(1, 2).to(q.dtype)
+        if g.block_start is None:  # gather whole blocks into a contiguous copy
+            kg, vg = k_cache[g.block_table], v_cache[g.block_table]
+        else:  # consecutive blocks: a view, no copy
+            end = g.block_start + g.block_table.shape[1]
+            kg, vg = k_cache[g.block_start:end], v_cache[g.block_start:end]
+        kg = kg.reshape(g.batch, -1, Hkv, D).transpose(1, 2).to(q.dtype)  # [B, Hkv, L, D]
+        vg = vg.reshape(g.batch, -1, Hkv, D).transpose(1, 2).to(q.dtype)
         mask = g.mask_local if sliding else g.mask
         o = F.scaled_dot_product_attention(qg, kg, vg, attn_mask=mask, scale=scale, enable_gqa=True)
         o = o.transpose(1, 2).reshape(g.batch * g.q_len, H * D)

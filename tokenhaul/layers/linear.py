@@ -21,7 +21,7 @@ class Linear:
 
 class DenseLinear(Linear):
     """Unquantized weights. fp32 is stored transposed [in, out]: `x @ Wt` streams faster on CPU GEMV
-    (10-11 GB/s vs 6-7.5 for the [out, in] layout, see MACHINE.md); half types keep [out, in]."""
+    (10-11 GB/s vs 6-7.5 for the [out, in] layout, see MACHINE.md); bf16 keeps [out, in] and returns fp32."""
 
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None) -> None:
         self.out_features, self.in_features = weight.shape
@@ -34,7 +34,8 @@ class DenseLinear(Linear):
         if self.transposed:
             y = x @ self.weight
             return y if self.bias is None else y + self.bias
-        return torch.nn.functional.linear(x, self.weight, self.bias).float()
+        y = torch.nn.functional.linear(x, self.weight).float()
+        return y if self.bias is None else y + self.bias  # bias stays fp32
 
     @property
     def weight_bytes(self) -> int:

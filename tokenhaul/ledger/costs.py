@@ -125,12 +125,13 @@ TIERS = (  # (StepCosts field, what moves where) in journey order, for reports
 
 
 def step_costs(mc: ModelCosts, chunks: list[tuple[int, int]], num_sampled: int,
-               kv_copy_tokens: int = 0, block_size: int = 1) -> StepCosts:
+               kv_copy_tokens: int = 0, block_size: int = 1, view_slots: int = 0) -> StepCosts:
     """chunks: (start position, tokens computed) per scheduled sequence, as the scheduler emitted them.
 
     Mirrors runner.prepare and paged_attention: 1-token chunks form one decode group padded to its
     longest block table, each longer chunk its own prefill group; attention gathers whole blocks
-    of `block_size` slots, so keys are padded to a block boundary (and masked, but computed)."""
+    of `block_size` slots, so keys are padded to a block boundary (and masked, but computed).
+    `view_slots` of them (groups of one sequence with consecutive blocks) are read in place, not copied."""
     c = mc.config
     T = num_decodes = decode_kv = decode_end_max = nb_max = 0
     gathered = 0  # slots gathered per layer for K (and as many for V)
@@ -180,10 +181,13 @@ def step_costs(mc: ModelCosts, chunks: list[tuple[int, int]], num_sampled: int,
     kv_tok = mc.kv_bytes_per_token
     kv_read = gathered * kv_tok
     ratio = mc.compute_itemsize / mc.kv_itemsize
-    gather = kv_read  # the contiguous copy, written at the cache dtype...
+    copied = (gathered - view_slots) * kv_tok
+    gather = copied  # the contiguous copy, written at the cache dtype...
     if mc.kv_itemsize != mc.compute_itemsize:  # ...read back and converted to the compute dtype...
-        gather += kv_read + int(kv_read * ratio)
-    gather += int(kv_read * ratio)  # ...and read by attention
+        gather += copied + int(copied * ratio)
+    gather += int(copied * ratio)  # ...and read by attention
+    if mc.kv_itemsize != mc.compute_itemsize:  # a view is still converted: written, then read
+        gather += 2 * int(view_slots * kv_tok * ratio)
     lm_head = mc.lm_head_bytes if num_sampled else 0
     on_device = mc.device != "cpu"
     return StepCosts(

@@ -140,7 +140,7 @@ class Ledger:
             if span is not None:
                 span.preemptions += 1  # its KV is gone; recompute shows as positions below `computed`
         costs = step_costs(self.costs, pairs, len(record.sampled), record.kv_copy_tokens,
-                           record.kv_block_size)
+                           record.kv_block_size, record.kv_view_slots)
         seconds = 0.0
         stages = self.stage_seconds
         for k, v in record.stage_seconds.items():

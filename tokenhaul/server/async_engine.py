@@ -277,7 +277,7 @@ class AsyncEngine:
         if e.first_t is None:
             self._num_waiting -= 1
         self.processor.abort(request_id)
-        self.processor.outputs.pop(request_id, None)
+        self.processor.release(request_id)
         self.metrics.requests.labels("abort").inc()
         self.core_thread.abort(request_id)
 
@@ -316,7 +316,7 @@ class AsyncEngine:
                                                    o.finished, o.finish_reason, o.stop_reason))
             if o.finished:
                 del self._entries[o.request_id]
-                self.processor.outputs.pop(o.request_id, None)
+                self.processor.release(o.request_id)
                 m.e2e.observe(now - e.arrival)
                 m.requests.labels(o.finish_reason or "stop").inc()
         for rid, reason in out.failed:
@@ -333,7 +333,7 @@ class AsyncEngine:
         if e.first_t is None:
             self._num_waiting -= 1
         self.processor.abort(request_id)
-        self.processor.outputs.pop(request_id, None)
+        self.processor.release(request_id)
         self.metrics.requests.labels("error").inc()
         self.core_thread.abort(request_id, "error")
         e.stream._fail(e.index, error)

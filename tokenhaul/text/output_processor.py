@@ -71,6 +71,11 @@ class OutputProcessor:
             self._drop(request_id)
         return out
 
+    def release(self, request_id: str) -> RequestOutput | None:
+        """Forget a request (finished or not) and return its output; the caller owns it from now on."""
+        self._drop(request_id)
+        return self.outputs.pop(request_id, None)
+
     def _drop(self, request_id: str) -> None:
         self._detok.pop(request_id, None)
         self._params.pop(request_id, None)
