@@ -29,12 +29,12 @@ def contiguous_attention(q, k, v, k_cache, v_cache, meta, scale, sliding):
     pos = meta.positions
     T, H, D = q.shape
     kc, vc = k_cache.view(-1, k.shape[1], D), v_cache.view(-1, k.shape[1], D)
-    kc[pos] = k
-    vc[pos] = v
+    kc[pos] = k.to(kc.dtype)
+    vc[pos] = v.to(vc.dtype)
     L = int(pos[-1]) + 1
     qg = q.view(1, T, H, D).transpose(1, 2)
-    kg = kc[:L].unsqueeze(0).transpose(1, 2)
-    vg = vc[:L].unsqueeze(0).transpose(1, 2)
+    kg = kc[:L].unsqueeze(0).transpose(1, 2).to(q.dtype)
+    vg = vc[:L].unsqueeze(0).transpose(1, 2).to(q.dtype)
     o = F.scaled_dot_product_attention(qg, kg, vg, is_causal=T > 1, scale=scale, enable_gqa=True)
     return o.transpose(1, 2).reshape(T, H * D)
 
@@ -42,10 +42,11 @@ def contiguous_attention(q, k, v, k_cache, v_cache, meta, scale, sliding):
 def decode_rate(llm: LLM, prompt: list[int], new_tokens: int, attention) -> float:
     llama_mod.paged_attention = gemma3_mod.paged_attention = attention
     try:
-        core = EngineCore(EngineConfig(num_kv_blocks=(len(prompt) + new_tokens) // 16 + 2,
+        core = EngineCore(EngineConfig(dtype=llm.config.dtype, num_kv_blocks=(len(prompt) + new_tokens) // 16 + 2,
                                        enable_prefix_caching=False), llm.model)
         core.add_request("r", prompt, SamplingParams(max_tokens=new_tokens, temperature=0, ignore_eos=True))
-        core.step()  # prefill
+        while not core.step():  # prefill, in chunks, until the first token is sampled
+            pass
         t0 = time.perf_counter()
         steps = 0
         while core.has_unfinished():
@@ -63,10 +64,11 @@ def main() -> None:
     ap.add_argument("--contexts", default="128,512,2048")
     ap.add_argument("--new-tokens", type=int, default=32)
     ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--dtype", default="bf16")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
-    llm = LLM(args.model, threads=args.threads)
-    print(f"model {args.model} | threads {args.threads} | batch 1 | {args.new_tokens} decode steps, "
+    llm = LLM(args.model, threads=args.threads, dtype=args.dtype)
+    print(f"model {args.model} {args.dtype} | threads {args.threads} | batch 1 | {args.new_tokens} decode steps, "
           f"median of {args.rounds} interleaved rounds")
     print(f"{'context':>8}{'paged tok/s':>13}{'contig tok/s':>14}{'paged/contig':>14}")
     for ctx in map(int, args.contexts.split(",")):

@@ -129,7 +129,7 @@ class Scheduler:
             if req.status is not Status.RUNNING:
                 continue  # aborted during the step
             req.num_computed_tokens += c.num_tokens
-            if req.num_computed_tokens // self.pool.block_size > len(req.block_hashes):
+            if self.prefix_cache.enabled and req.num_computed_tokens // self.pool.block_size > len(req.block_hashes):
                 req.block_hashes = self.prefix_cache.register(
                     req.all_token_ids, req.num_computed_tokens, req.block_ids, req.block_hashes)
             tok = sampled.get(req.request_id)
