@@ -15,7 +15,7 @@ install: .venv/.installed
 	$(TH) models install smollm2-135m
 
 run: install
-	$(TH) generate --model smollm2-135m --prompt "$(PROMPT)" --max-tokens 64 --chat --ledger
+	$(TH) generate --model smollm2-135m --prompt "$(PROMPT)" --max-tokens 64 --temperature 0 --chat --ledger
 
 test: .venv/.installed
 	for m in $(TEST_MODELS); do $(TH) models install $$m || exit 1; done
