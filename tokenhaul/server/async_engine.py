@@ -271,15 +271,20 @@ class AsyncEngine:
 
     def abort(self, request_id: str) -> None:
         """Forget a request here and abort it in the core (a no-op if it already finished)."""
+        self._forget(request_id, "abort")
+
+    def _forget(self, request_id: str, outcome: str) -> _Entry | None:
+        """Drop a request from the front end, count its outcome, abort it in the core."""
         e = self._entries.pop(request_id, None)
         if e is None:
-            return
+            return None
         if e.first_t is None:
             self._num_waiting -= 1
         self.processor.abort(request_id)
         self.processor.release(request_id)
-        self.metrics.requests.labels("abort").inc()
-        self.core_thread.abort(request_id)
+        self.metrics.requests.labels(outcome).inc()
+        self.core_thread.abort(request_id, outcome)
+        return e
 
     # outputs from the core -------------------------------------------------------------------
     def _from_core_thread(self, out: CoreOutputs) -> None:
@@ -327,16 +332,9 @@ class AsyncEngine:
 
     def _fail(self, request_id: str, error: Exception) -> None:
         """End a request with an error its reader will raise; aborts it in the core too."""
-        e = self._entries.pop(request_id, None)
-        if e is None:
-            return
-        if e.first_t is None:
-            self._num_waiting -= 1
-        self.processor.abort(request_id)
-        self.processor.release(request_id)
-        self.metrics.requests.labels("error").inc()
-        self.core_thread.abort(request_id, "error")
-        e.stream._fail(e.index, error)
+        e = self._forget(request_id, "error")
+        if e is not None:
+            e.stream._fail(e.index, error)
 
     def _fail_all(self, error: Exception) -> None:
         for rid in list(self._entries):
