@@ -53,7 +53,8 @@ def test_preemption_real_model(smollm):
     prompts = [smollm.tokenizer.encode(f"Tell me about {t}.") for t in TOPICS[:6]]
     params = SamplingParams(max_tokens=24, temperature=0, ignore_eos=True)
     ref = [o.token_ids for o in smollm.generate(prompts, params)]
-    core = EngineCore(EngineConfig(dtype="fp32", num_kv_blocks=8, block_size=16), smollm.model)  # 128 slots for 6 × ~32 tokens
+    # 8 blocks × 16 = 128 slots for 6 requests of ~32 tokens each
+    core = EngineCore(EngineConfig(dtype="fp32", num_kv_blocks=8, block_size=16), smollm.model)
     for i, p in enumerate(prompts):
         core.add_request(f"r{i}", p, params)
     out = {f"r{i}": [] for i in range(len(prompts))}
