@@ -54,7 +54,3 @@ class PrefixCache:
         for i in range(old, full):
             self.pool.cache(block_ids[i], hashes[i])
         return hashes
-
-    @property
-    def hit_rate(self) -> float:
-        return self.hit_tokens / self.query_tokens if self.query_tokens else 0.0

@@ -47,12 +47,6 @@ class ModelConfig:
             (layer + 1) % self.sliding_pattern != 0
         )
 
-    def num_params(self) -> int:
-        per_layer = self.hidden_size * (self.q_size + 2 * self.kv_size) + self.q_size * self.hidden_size
-        per_layer += 3 * self.hidden_size * self.ffn_size
-        embed = self.vocab_size * self.hidden_size
-        return self.num_layers * per_layer + embed * (1 if self.tie_embeddings else 2)
-
 
 def config_from_metadata(meta: dict, tensor_names: set[str]) -> ModelConfig:
     """Build a ModelConfig from GGUF key/values; raise ModelError for unsupported architectures."""
