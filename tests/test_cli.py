@@ -95,7 +95,7 @@ def test_generate_json(capsys):
     assert obj["prompt_token_ids"] and "Paris" in obj["text"]
     led = obj["ledger"]
     for key in ("weight_bytes_per_token", "kv_bytes_per_token", "prefill_tokens_per_s", "decode_tokens_per_s",
-                "stage_seconds"):
+                "stage_seconds", "roofline_fraction"):
         assert key in led
     assert 2.5e8 < led["weight_bytes_per_token"] < 3e8  # bf16 SmolLM2 (default dtype): ~270 MB per token
 

@@ -69,11 +69,10 @@ def cmd_generate(args: argparse.Namespace, chat: bool = False) -> None:
         out = llm.chat([{"role": "user", "content": args.prompt}], params)[0]
     else:
         out = llm.generate(args.prompt, params)[0]
-    summary = out.ledger.summary()
     if args.json:
         print(json.dumps({"text": out.text, "token_ids": out.token_ids,
                           "prompt_token_ids": out.prompt_token_ids, "finish_reason": out.finish_reason,
-                          "ledger": summary | {"load_seconds": load_s}}, ensure_ascii=False))
+                          "ledger": out.ledger.summary() | {"load_seconds": load_s}}, ensure_ascii=False))
         return
     print(out.text)
     if args.ledger:
