@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import pytest
+from drive import run_requests
 
 from tokenhaul.config import EngineConfig
 from tokenhaul.engine.core import EngineCore
@@ -28,7 +29,7 @@ def test_prefix_cache_1000_token_prefix(smollm):
     a = ids + smollm.tokenizer.encode(" Question one: which parcels go by rail?")
     b = ids + smollm.tokenizer.encode(" Question two: what is parcel 5?")
     cold = EngineCore(EngineConfig(dtype="fp32", enable_prefix_caching=False), smollm.model)
-    cold_out = run_one(cold, b)
+    (cold_out,) = run_requests(cold, [b], GREEDY)
     smollm.generate(a, GREEDY)
     hits_before = smollm.core.prefix_cache.hit_tokens
     out = smollm.generate(b, GREEDY)[0]
@@ -40,28 +41,13 @@ def test_prefix_cache_1000_token_prefix(smollm):
     assert computed == len(b) - reused + GREEDY.max_tokens - 1
 
 
-def run_one(core: EngineCore, ids: list[int], params=GREEDY) -> list[int]:
-    core.add_request("x", ids, params)
-    out = []
-    while core.has_unfinished():
-        for d in core.step():
-            out += d.new_token_ids
-    return out
-
-
 def test_preemption_real_model(smollm):
     prompts = [smollm.tokenizer.encode(f"Tell me about {t}.") for t in TOPICS[:6]]
     params = SamplingParams(max_tokens=24, temperature=0, ignore_eos=True)
     ref = [o.token_ids for o in smollm.generate(prompts, params)]
     # 8 blocks × 16 = 128 slots for 6 requests of ~32 tokens each
     core = EngineCore(EngineConfig(dtype="fp32", num_kv_blocks=8, block_size=16), smollm.model)
-    for i, p in enumerate(prompts):
-        core.add_request(f"r{i}", p, params)
-    out = {f"r{i}": [] for i in range(len(prompts))}
-    while core.has_unfinished():
-        for d in core.step():
-            out[d.request_id] += d.new_token_ids
-    assert [out[f"r{i}"] for i in range(len(prompts))] == ref
+    assert run_requests(core, prompts, params) == ref
     assert core.scheduler.num_preemptions > 0
     assert core.pool.num_used == 0 and core.pool.num_free == 8
 

@@ -1,6 +1,7 @@
 """Engine core on a tiny random model: batching, chunked prefill, preemption, prefix reuse, abort."""
 
 import pytest
+from drive import run_requests
 
 from tokenhaul.decoding.sampler import sample
 from tokenhaul.errors import CapacityError, RequestError
@@ -17,13 +18,7 @@ def prompts(n, length=9, seed=1):
 
 
 def run(core, ps, params=GREEDY):
-    for i, p in enumerate(ps):
-        core.add_request(f"r{i}", p, params)
-    out = {f"r{i}": [] for i in range(len(ps))}
-    while core.has_unfinished():
-        for d in core.step():
-            out[d.request_id] += d.new_token_ids
-    return [out[f"r{i}"] for i in range(len(ps))]
+    return run_requests(core, ps, params)
 
 
 def test_batch_equals_alone(tiny_core):
