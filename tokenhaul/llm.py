@@ -17,6 +17,7 @@ from tokenhaul.outputs import RequestOutput
 from tokenhaul.sampling_params import SamplingParams
 from tokenhaul.text.output_processor import OutputProcessor
 from tokenhaul.text.tokenizer import Tokenizer
+from tokenhaul.whatif.calibrate import machine_roofline
 
 Prompt = str | list[int]
 
@@ -50,7 +51,7 @@ class LLM:
             prompts = [prompts]
         params = params or SamplingParams()
         plist = params if isinstance(params, list) else [params] * len(prompts)
-        ledger = Ledger(self.costs)
+        ledger = Ledger(self.costs, roofline=lambda: machine_roofline(self.costs.device))
         self.core.observer = ledger
         frontend = OutputProcessor(self.tokenizer, ledger)
         eos = tuple(self.tokenizer.eos_token_ids)

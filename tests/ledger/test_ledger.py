@@ -3,6 +3,7 @@ findings, Perfetto trace, calibration cache. Fast: no real model, no measurement
 
 from __future__ import annotations
 
+import ast
 import json
 import re
 from pathlib import Path
@@ -13,8 +14,8 @@ from tokenhaul.ledger.findings import findings, four_costs, moved, stage_shares
 from tokenhaul.ledger.ledger import Ledger, percentile
 from tokenhaul.ledger.perfetto import trace_events, write_trace
 from tokenhaul.ledger.report import text_report
-from tokenhaul.ledger.roofline import Roofline
 from tokenhaul.sampling_params import SamplingParams
+from tokenhaul.whatif.roofline import Roofline
 
 ROOF = Roofline(20e9, 100e9, "test machine")
 GREEDY = SamplingParams(max_tokens=10, temperature=0, ignore_eos=True)
@@ -74,6 +75,19 @@ def test_engine_never_reads_the_ledger():
     for room in ("engine", "kv", "models", "layers", "decoding"):
         for f in (root / room).glob("*.py"):
             assert not re.search(r"^\s*(from|import) tokenhaul\.(ledger|whatif)", f.read_text(), re.M), f
+
+
+def test_ledger_never_imports_whatif_at_run_time():
+    """The what-if model reads ledgers and costs; the ledger is handed a roofline (no import circle)."""
+    root = Path(__file__).resolve().parents[2] / "tokenhaul" / "ledger"
+    for f in root.glob("*.py"):
+        tree = ast.parse(f.read_text())
+        guarded = {id(n) for node in ast.walk(tree) if isinstance(node, ast.If)
+                   and getattr(node.test, "id", "") == "TYPE_CHECKING" for n in ast.walk(node)}
+        for node in ast.walk(tree):
+            if isinstance(node, ast.ImportFrom | ast.Import) and id(node) not in guarded:
+                names = [node.module or ""] if isinstance(node, ast.ImportFrom) else [a.name for a in node.names]
+                assert not any(n.startswith("tokenhaul.whatif") for n in names), f
 
 
 def test_summary_and_findings(ledger_core):

@@ -4,10 +4,13 @@ four costs (compute, memory traffic, synchronisation, error/rollback) that any o
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 from tokenhaul.ledger.costs import TIERS
 from tokenhaul.ledger.ledger import ENGINE_STAGES, FRONT_STAGES, Ledger, percentile
-from tokenhaul.ledger.roofline import Roofline
+
+if TYPE_CHECKING:
+    from tokenhaul.whatif.roofline import Roofline
 
 COORDINATION = ("schedule", "prepare", "update", "between steps")
 DRAM_TIERS = ("weight_bytes", "kv_read_bytes", "kv_write_bytes", "kv_copy_bytes")  # compulsory traffic

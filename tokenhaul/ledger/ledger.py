@@ -10,12 +10,16 @@ from __future__ import annotations
 import math
 import time
 from collections import OrderedDict, deque
+from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from tokenhaul.engine.core import StepRecord
 from tokenhaul.engine.request import Request
 from tokenhaul.ledger.costs import ModelCosts, StepCosts, step_costs
-from tokenhaul.ledger.roofline import Position, Roofline
+
+if TYPE_CHECKING:  # the ledger is handed a roofline; it never imports whatif at run time
+    from tokenhaul.whatif.roofline import Position, Roofline
 
 ENGINE_STAGES = ("schedule", "prepare", "forward", "sample", "update")
 FRONT_STAGES = ("detokenize", "deliver")
@@ -93,8 +97,9 @@ class Phase:
 
 class Ledger:
     def __init__(self, costs: ModelCosts, max_steps: int = 1024, max_tokens: int = 16384,
-                 max_requests: int = 1024) -> None:
+                 max_requests: int = 1024, roofline: Callable[[], Roofline] | None = None) -> None:
         self.costs = costs
+        self._roofline = roofline  # called when a reading needs this machine's limits and none is passed
         self.t0 = time.perf_counter()
         self.steps: deque[StepEntry] = deque(maxlen=max_steps)
         self.tokens: deque[TokenEvent] = deque(maxlen=max_tokens)
@@ -211,10 +216,10 @@ class Ledger:
 
     # reading ----------------------------------------------------------------------------------
     def roofline(self) -> Roofline:
-        """This machine's limits for the model's device: cached calibration, measured if missing."""
-        from tokenhaul.whatif.calibrate import machine_roofline  # lazy: the ledger must import fast
-
-        return machine_roofline(self.costs.device)
+        """The limits this ledger was given a source for (LLM passes whatif's calibration)."""
+        if self._roofline is None:
+            raise ValueError("this ledger has no roofline source: pass a Roofline to the reading")
+        return self._roofline()
 
     @property
     def between_steps_seconds(self) -> float:

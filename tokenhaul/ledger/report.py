@@ -9,11 +9,14 @@ import base64
 import html
 import io
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from tokenhaul.ledger.costs import TIERS
 from tokenhaul.ledger.findings import findings, stage_shares
 from tokenhaul.ledger.ledger import ENGINE_STAGES, FRONT_STAGES, Ledger
-from tokenhaul.ledger.roofline import Roofline
+
+if TYPE_CHECKING:
+    from tokenhaul.whatif.roofline import Roofline
 
 COLORS = {"schedule": "#9e9e9e", "prepare": "#ffb74d", "forward": "#1976d2", "sample": "#7e57c2",
           "update": "#bdbdbd", "detokenize": "#43a047", "deliver": "#a5d6a7", "between steps": "#e57373"}

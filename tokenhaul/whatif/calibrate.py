@@ -14,8 +14,8 @@ from pathlib import Path
 
 import torch
 
-from tokenhaul.ledger.roofline import Roofline
 from tokenhaul.models.catalog import cache_root
+from tokenhaul.whatif.roofline import Roofline
 
 CALIBRATION_FILE = "calibration.json"
 _memo: dict[str, Roofline] = {}

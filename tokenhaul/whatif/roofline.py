@@ -1,6 +1,8 @@
 """Roofline: where a step sits against this machine's measured read bandwidth and FLOP/s.
 
-The limits come from `tokenhaul calibrate` (whatif/calibrate.py); bytes and FLOPs from costs.py."""
+The limits come from `tokenhaul calibrate` (whatif/calibrate.py) or a hardware profile; bytes and FLOPs
+from ledger/costs.py. A leaf module: it imports nothing from tokenhaul, so the ledger may read a roofline
+it is handed without importing whatif."""
 
 from __future__ import annotations
 
