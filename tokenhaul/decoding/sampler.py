@@ -3,18 +3,10 @@ logprobs). Logprobs are those of the model's raw distribution, as in vLLM."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import torch
 
+from tokenhaul.engine.messages import Sample
 from tokenhaul.engine.request import Request
-
-
-@dataclass
-class Sample:
-    token: int
-    logprob: float | None = None
-    top_logprobs: list[tuple[int, float]] | None = None  # (token id, logprob), best first
 
 
 def apply_penalties(logits: torch.Tensor, req: Request) -> torch.Tensor:

@@ -6,13 +6,14 @@ told what each step did and how long each stage took; nothing here ever reads it
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Protocol
 
 import torch
 
 from tokenhaul.config import EngineConfig
-from tokenhaul.decoding.sampler import Sample, sample
+from tokenhaul.decoding.sampler import sample
+from tokenhaul.engine.messages import CoreLimits, CoreStats, RequestDelta
 from tokenhaul.engine.request import Request
 from tokenhaul.engine.runner import ModelRunner
 from tokenhaul.engine.scheduler import Scheduler, SchedulerConfig
@@ -22,15 +23,6 @@ from tokenhaul.kv.cache import KVCache
 from tokenhaul.kv.prefix_cache import PrefixCache
 from tokenhaul.models.registry import Model
 from tokenhaul.sampling_params import SamplingParams
-
-
-@dataclass
-class RequestDelta:
-    request_id: str
-    new_token_ids: list[int]
-    finished: bool = False
-    finish_reason: str | None = None
-    samples: list[Sample] = field(default_factory=list)
 
 
 @dataclass
@@ -98,6 +90,21 @@ class EngineCore:
 
     def has_unfinished(self) -> bool:
         return self.scheduler.has_unfinished()
+
+    def limits(self) -> CoreLimits:
+        """What a front end must check before admitting a request (fixed for the core's life)."""
+        return CoreLimits(self.max_model_len, self.pool.block_size, self.pool.num_blocks, self.model.config.vocab_size)
+
+    def stats(self) -> CoreStats:
+        """A snapshot of the batch, the KV pool and the counters (step_seconds: the caller times steps)."""
+        s, p = self.scheduler, self.pool
+        return CoreStats(len(s.running), len(s.waiting), p.num_used, p.num_cached, p.num_blocks,
+                         self.prefix_cache.hit_tokens, self.prefix_cache.query_tokens, s.num_preemptions,
+                         self.num_steps)
+
+    def request_ids(self) -> list[str]:
+        """Ids of the requests the core holds (waiting or running)."""
+        return list(self.scheduler.requests)
 
     def step(self) -> list[RequestDelta]:
         t0 = time.perf_counter()

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import time
 
-from tokenhaul.engine.core import RequestDelta
+from tokenhaul.engine.messages import RequestDelta
 from tokenhaul.outputs import RequestOutput, TokenLogprob
 from tokenhaul.sampling_params import SamplingParams
 from tokenhaul.text.detokenizer import Detokenizer

@@ -1,0 +1,78 @@
+"""Messages between a front end and an engine core: small plain dataclasses of ints and strings, no
+torch, so they cross a thread, a process or a Ray actor boundary unchanged (pickled as they are)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from tokenhaul.sampling_params import SamplingParams
+
+
+@dataclass
+class Sample:
+    """One sampled token and, when asked for, its logprob and the top alternatives."""
+
+    token: int
+    logprob: float | None = None
+    top_logprobs: list[tuple[int, float]] | None = None  # (token id, logprob), best first
+
+
+@dataclass
+class RequestDelta:
+    """What one request produced in one step (token ids only; text is the front end's business)."""
+
+    request_id: str
+    new_token_ids: list[int]
+    finished: bool = False
+    finish_reason: str | None = None
+    samples: list[Sample] = field(default_factory=list)
+
+
+@dataclass(frozen=True)
+class AddRequest:
+    request_id: str
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    eos_token_ids: tuple[int, ...] = ()
+
+
+@dataclass(frozen=True)
+class AbortRequest:
+    request_id: str
+    reason: str = "abort"
+
+
+@dataclass(frozen=True)
+class CoreLimits:
+    """Static facts of a core: what a front end checks before admitting a request."""
+
+    max_model_len: int
+    block_size: int
+    num_blocks: int
+    vocab_size: int
+
+
+@dataclass(frozen=True)
+class CoreStats:
+    """A snapshot of a core's state and counters (replaced, never mutated)."""
+
+    num_running: int = 0
+    num_waiting: int = 0
+    kv_blocks_used: int = 0
+    kv_blocks_cached: int = 0
+    kv_blocks_total: int = 0
+    prefix_hit_tokens: int = 0
+    prefix_query_tokens: int = 0
+    num_preemptions: int = 0
+    num_steps: int = 0
+    step_seconds: float = 0.0  # total time spent inside core.step(), timed by the loop that calls it
+
+
+@dataclass
+class CoreOutputs:
+    """What a core's loop hands out after a step: deltas, requests it could not serve, or its death."""
+
+    step: int
+    deltas: list[RequestDelta] = field(default_factory=list)
+    failed: list[tuple[str, str]] = field(default_factory=list)  # (request id, one-line reason)
+    dead: str | None = None  # the loop itself died: every request it was given is lost
