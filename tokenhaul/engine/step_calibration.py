@@ -1,0 +1,161 @@
+"""Calibrating the step-time model on this machine: time real batches through the core's own runner
+and sampler, fit `StepTimeModel`, cache the fit per machine | model | engine settings.
+
+The batches are synthetic requests over blocks borrowed from the (still empty) KV pool and given
+back at the end; the grid spans decode batches of several sizes and key spans, prefill chunks of
+several lengths and offsets, and mixes of both, within the engine's own limits. Shapes are timed
+round-robin, median of `repeats`, so a burst of load from elsewhere hits all of them alike."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import platform
+import statistics
+import time
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+import torch
+
+from tokenhaul.decoding.sampler import sample
+from tokenhaul.engine.request import Request
+from tokenhaul.engine.scheduler import ScheduledChunk, SchedulerOutput
+from tokenhaul.engine.step_time import StepShape, StepTimeModel, default_knots
+from tokenhaul.models.catalog import cache_root
+from tokenhaul.sampling_params import SamplingParams
+
+if TYPE_CHECKING:
+    from tokenhaul.engine.core import EngineCore
+
+CACHE_FILE = "step_time.json"
+Chunk = tuple[int, int, bool]  # (start, tokens, samples)
+_GREEDY = SamplingParams(max_tokens=1, temperature=0.0)
+_memo: dict[str, StepTimeModel] = {}
+
+
+def calibration_grid(max_tokens: int, max_seqs: int, max_len: int) -> list[list[Chunk]]:
+    """Batches to time: decode batches at every knot of the token count (short keys) and at a few
+    long key spans, prefill chunks at every knot (at the start and half-way into the context), and
+    decodes mixed with a chunk."""
+    span = max(8, min(max_len, 2048))
+    knots = default_knots(max_tokens)
+    seqs = min(max_seqs, max_tokens)
+    short, mid, long = max(2, span // 32), max(2, span // 4), max(2, span * 3 // 4)
+    grid: list[list[Chunk]] = [[(short - 1, 1, True)] * d for d in knots if d <= seqs]
+    grid += [[(c - 1, 1, True)] * d for d in sorted({max(1, seqs // 8), max(1, seqs // 2)}) for c in (mid, long)]
+    grid += [[(0, n, False)] for n in knots if n >= 2]
+    grid += [[(span // 2, n, True)] for n in sorted({max(2, max_tokens // 8), max_tokens}) if span // 2 + n <= span]
+    d = max(1, seqs // 4)
+    grid += [[(mid - 1, 1, True)] * d + [(0, n, True)] for n in sorted({max(2, max_tokens // 8), max_tokens // 2})
+             if d + n <= max_tokens]
+    return grid
+
+
+def shape_of(chunks: list[Chunk], block_size: int) -> StepShape:
+    s = StepShape(block_size)
+    for start, n, samples in chunks:
+        s.add(start, n, samples)
+    return s
+
+
+def time_batch(core: EngineCore, chunks: list[Chunk], block_ids: list[int]) -> float:
+    """Seconds for prepare → forward → sample of one synthetic batch (the span the core measures)."""
+    bs = core.pool.block_size
+    vocab = core.model.config.vocab_size
+    sched = SchedulerOutput()
+    for i, (start, n, samples) in enumerate(chunks):
+        length = start + n + (0 if samples else 1)
+        req = Request(f"calibrate-{i}", [(7 * t + i) % vocab for t in range(length)], _GREEDY)
+        req.block_ids = block_ids[:-(-length // bs)]
+        sched.chunks.append(ScheduledChunk(req, start, n))
+    t = time.perf_counter()
+    inp = core.runner.prepare(sched)
+    logits = core.runner.forward(inp)
+    sample(logits, [c.request for c in inp.sample_chunks])
+    if logits.device.type == "cuda":
+        torch.cuda.synchronize()
+    return time.perf_counter() - t
+
+
+def measure(core: EngineCore, grid: list[list[Chunk]], repeats: int = 3) -> list[float]:
+    """Median seconds per batch of the grid, timed round-robin (one untimed warm-up pass first)."""
+    bs = core.pool.block_size
+    longest = max(start + n + 1 for chunks in grid for start, n, _ in chunks)
+    need = -(-longest // bs)
+    if need > core.pool.num_free:
+        raise ValueError(f"calibration needs {need} free KV blocks, the pool has {core.pool.num_free}")
+    blocks = core.pool.allocate(need)
+    try:
+        times: list[list[float]] = [[] for _ in grid]
+        for r in range(repeats + 1):
+            for i, chunks in enumerate(grid):
+                t = time_batch(core, chunks, blocks)
+                if r:
+                    times[i].append(t)
+    finally:
+        core.pool.free(blocks)
+    return [statistics.median(t) for t in times]
+
+
+def calibrate(core: EngineCore, repeats: int = 3) -> StepTimeModel:
+    """Measure the grid for this core's limits and fit a model (takes seconds on a real model)."""
+    sc = core.scheduler.config
+    kv_len = (core.pool.num_free - 1) * core.pool.block_size
+    grid = calibration_grid(sc.max_num_batched_tokens, sc.max_num_seqs, min(sc.max_model_len, kv_len))
+    seconds = measure(core, grid, repeats)
+    shapes = [shape_of(g, core.pool.block_size) for g in grid]
+    return StepTimeModel.fit(shapes, seconds, default_knots(sc.max_num_batched_tokens))
+
+
+def calibration_key(core: EngineCore) -> str:
+    """Machine | torch | threads | model architecture | engine settings that change step time."""
+    skip = {"kv_memory_gib", "num_kv_blocks", "enable_prefix_caching", "itl_target_ms", "max_model_len"}
+    settings = {k: v for k, v in dataclasses.asdict(core.config).items() if k not in skip}
+    c = core.model.config
+    model = (f"{c.arch} L{c.num_layers} h{c.hidden_size} ffn{c.ffn_size} heads{c.num_heads}/{c.num_kv_heads} "
+             f"v{c.vocab_size}")
+    return (f"{_cpu_model()} | torch {torch.__version__} | threads={torch.get_num_threads()} | {model} | "
+            + json.dumps(settings, sort_keys=True))
+
+
+def load_or_calibrate(core: EngineCore, root: Path | None = None) -> StepTimeModel:
+    """The cached fit for this core's key, else calibrate now and store it (mutates the cache file)."""
+    key = calibration_key(core)
+    path = (root or cache_root()) / CACHE_FILE
+    memo = f"{path}|{key}"
+    if memo not in _memo:
+        table = _load(path)
+        if key in table:
+            try:
+                _memo[memo] = StepTimeModel.from_dict(table[key])
+            except ValueError:
+                pass
+        if memo not in _memo:
+            t = time.perf_counter()
+            model = calibrate(core)
+            table[key] = model.to_dict() | {"measured_at": time.time(), "measure_seconds": time.perf_counter() - t}
+            path.parent.mkdir(parents=True, exist_ok=True)
+            tmp = path.with_suffix(f".{os.getpid()}.tmp")
+            tmp.write_text(json.dumps(table, indent=1, sort_keys=True))
+            tmp.replace(path)
+            _memo[memo] = model
+    return StepTimeModel.from_dict(_memo[memo].to_dict())  # a fresh scale per core
+
+
+def _load(path: Path) -> dict:
+    try:
+        return json.loads(path.read_text())
+    except (OSError, ValueError):
+        return {}
+
+
+def _cpu_model() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
