@@ -2,8 +2,10 @@
 
 Requests arrive as a Poisson process (`rate` per second; inf → all at once), at most
 `concurrency` in flight. Per request it times TTFT (first chunk with text), every inter-chunk gap
-(ITL), TPOT = (E2E - TTFT) / (output tokens - 1) and E2E; the summary gives mean / p50 / p90 / p99,
-throughput, and goodput (requests per second meeting every SLO given). Output token counts come
+(ITL), TPOT = (E2E - TTFT) / (output tokens - 1) and E2E; the summary gives mean / p50 / p90 / p99
+/ max, the ITL p99/p50 ratio (how even a stream feels), throughput, the mean number of requests in
+flight, and goodput (requests per second meeting every SLO given; the ITL SLO bounds a request's
+longest gap). The `mixed` dataset mixes long and short prompts, as a chat server sees them. Output token counts come
 from the server's usage chunk (stream_options.include_usage), else from the number of text chunks.
 If the server exports tokenhaul's /metrics, the front end's last-mile cost per token is reported.
 """
@@ -74,6 +76,16 @@ def random_dataset(n: int, input_len: int, output_len: int, range_ratio: float =
         words = [str(rng.randrange(10**6)), *(rng.choice(_WORDS) for _ in range(jitter(input_len) - 1))]
         out.append(PromptSpec(f"{i} " + " ".join(words), jitter(output_len)))
     return out
+
+
+def mixed_dataset(n: int, short_len: int, long_len: int, long_fraction: float, output_len: int,
+                  seed: int = 0) -> list[PromptSpec]:
+    """random_dataset's prompts, each long_len words with probability long_fraction, else short_len
+    (both ± 20 %), and exactly output_len new tokens each; the mix is fixed by the seed."""
+    rng = random.Random(seed)
+    short = random_dataset(n, short_len, output_len, 0.2, seed)
+    long = random_dataset(n, long_len, output_len, 0.2, seed + 1)
+    return [PromptSpec((long if rng.random() < long_fraction else short)[i].prompt, output_len) for i in range(n)]
 
 
 def file_dataset(path: str | Path, n: int, output_len: int) -> list[PromptSpec]:
@@ -195,14 +207,15 @@ async def scrape_last_mile(url: str) -> dict[str, float] | None:
 # summary --------------------------------------------------------------------------------------
 def _stats(xs: list[float]) -> dict[str, float | None]:
     if not xs:
-        return {"mean": None, "p50": None, "p90": None, "p99": None}
+        return {"mean": None, "p50": None, "p90": None, "p99": None, "max": None}
     a = np.asarray(xs) * 1e3
     return {"mean": float(a.mean()), "p50": float(np.percentile(a, 50)), "p90": float(np.percentile(a, 90)),
-            "p99": float(np.percentile(a, 99))}
+            "p99": float(np.percentile(a, 99)), "max": float(a.max())}
 
 
 def summarize(results: list[RequestResult], wall_s: float, slo_ttft_ms: float | None = None,
-              slo_tpot_ms: float | None = None, slo_e2e_ms: float | None = None) -> dict[str, Any]:
+              slo_tpot_ms: float | None = None, slo_e2e_ms: float | None = None,
+              slo_itl_ms: float | None = None) -> dict[str, Any]:
     ok = [r for r in results if r.ok]
     out_tok = sum(r.output_tokens for r in ok)
     in_tok = sum(r.prompt_tokens for r in ok)
@@ -210,12 +223,14 @@ def summarize(results: list[RequestResult], wall_s: float, slo_ttft_ms: float | 
     def good(r: RequestResult) -> bool:
         return ((slo_ttft_ms is None or (r.ttft is not None and r.ttft * 1e3 <= slo_ttft_ms))
                 and (slo_tpot_ms is None or r.tpot is None or r.tpot * 1e3 <= slo_tpot_ms)
-                and (slo_e2e_ms is None or r.e2e * 1e3 <= slo_e2e_ms))
+                and (slo_e2e_ms is None or r.e2e * 1e3 <= slo_e2e_ms)
+                and (slo_itl_ms is None or max(r.itls, default=0.0) * 1e3 <= slo_itl_ms))
 
-    slos = {k: v for k, v in (("ttft_ms", slo_ttft_ms), ("tpot_ms", slo_tpot_ms), ("e2e_ms", slo_e2e_ms))
-            if v is not None}
+    slos = {k: v for k, v in (("ttft_ms", slo_ttft_ms), ("tpot_ms", slo_tpot_ms), ("itl_ms", slo_itl_ms),
+                              ("e2e_ms", slo_e2e_ms)) if v is not None}
     n_good = sum(good(r) for r in ok) if slos else None
     errors = [r.error for r in results if not r.ok]
+    itl = _stats([x for r in ok for x in r.itls])
     return {
         "requests": len(results), "completed": len(ok), "failed": len(errors),
         "errors": sorted(set(e for e in errors if e))[:5],
@@ -227,8 +242,10 @@ def summarize(results: list[RequestResult], wall_s: float, slo_ttft_ms: float | 
         "goodput": n_good / wall_s if n_good is not None and wall_s > 0 else None,
         "ttft_ms": _stats([r.ttft for r in ok if r.ttft is not None]),
         "tpot_ms": _stats([t for r in ok if (t := r.tpot) is not None]),
-        "itl_ms": _stats([x for r in ok for x in r.itls]),
+        "itl_ms": itl,
+        "itl_p99_over_p50": itl["p99"] / itl["p50"] if itl["p50"] else None,
         "e2e_ms": _stats([r.e2e for r in ok]),
+        "mean_in_flight": sum(r.e2e for r in ok) / wall_s if wall_s > 0 else 0.0,
     }
 
 
@@ -239,14 +256,15 @@ def _fmt(x: float | None, spec: str = ".1f") -> str:
 def format_table(s: dict[str, Any]) -> str:
     lines = [f"completed {s['completed']}/{s['requests']} in {s['wall_s']:.2f} s | "
              f"{s['request_throughput']:.2f} req/s | output {s['output_throughput']:.1f} tok/s | "
-             f"total {s['total_token_throughput']:.1f} tok/s"]
+             f"total {s['total_token_throughput']:.1f} tok/s | {s['mean_in_flight']:.1f} in flight on average"]
     if s["slo"]:
         slo = " ".join(f"{k[:-3]}≤{v:g}ms" for k, v in s["slo"].items())
         lines.append(f"goodput {s['goodput']:.2f} req/s ({s['good_requests']}/{s['completed']} meet {slo})")
-    lines.append(f"{'ms':<6}{'mean':>10}{'p50':>10}{'p90':>10}{'p99':>10}")
+    lines.append(f"{'ms':<6}{'mean':>10}{'p50':>10}{'p90':>10}{'p99':>10}{'max':>10}")
     for k in ("ttft", "tpot", "itl", "e2e"):
         st = s[f"{k}_ms"]
-        lines.append(f"{k.upper():<6}" + "".join(f"{_fmt(st[q]):>10}" for q in ("mean", "p50", "p90", "p99")))
+        lines.append(f"{k.upper():<6}" + "".join(f"{_fmt(st[q]):>10}" for q in ("mean", "p50", "p90", "p99", "max")))
+    lines.append(f"ITL p99/p50 {_fmt(s['itl_p99_over_p50'], '.2f')}")
     lm = s.get("last_mile_us_per_token")
     if lm is not None:
         lines.append(f"last mile (server front end) {lm['total']:.1f} µs/token = detokenize+stop "
@@ -257,13 +275,14 @@ def format_table(s: dict[str, Any]) -> str:
 
 
 def benchmark(url: str, specs: list[PromptSpec], slo_ttft_ms: float | None = None,
-              slo_tpot_ms: float | None = None, slo_e2e_ms: float | None = None, **kw: Any) -> dict[str, Any]:
+              slo_tpot_ms: float | None = None, slo_e2e_ms: float | None = None, slo_itl_ms: float | None = None,
+              **kw: Any) -> dict[str, Any]:
     """Run the load and summarize (blocking); kw go to run_load."""
 
     async def go() -> dict[str, Any]:
         before = await scrape_last_mile(url)
         results, wall, model = await run_load(url, specs, **kw)
-        s = summarize(results, wall, slo_ttft_ms, slo_tpot_ms, slo_e2e_ms)
+        s = summarize(results, wall, slo_ttft_ms, slo_tpot_ms, slo_e2e_ms, slo_itl_ms)
         after = await scrape_last_mile(url)
         s["model"] = model
         if before and after and after["tokens"] > before["tokens"]:
@@ -282,8 +301,11 @@ def add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--concurrency", type=int, default=None, help="at most N requests in flight")
     p.add_argument("--rate", type=float, default=math.inf, help="Poisson arrival rate, requests/s (default inf)")
     p.add_argument("--num-requests", type=int, default=100)
-    p.add_argument("--dataset", default="random", help="'random', or a .jsonl / .txt file of prompts")
-    p.add_argument("--input-len", type=int, default=64, help="random dataset: prompt length, words")
+    p.add_argument("--dataset", default="random",
+                   help="'random', 'mixed' (long and short prompts), or a .jsonl / .txt file of prompts")
+    p.add_argument("--input-len", type=int, default=64, help="random dataset: prompt length; mixed: short ones (words)")
+    p.add_argument("--long-len", type=int, default=1024, help="mixed dataset: long prompt length, words")
+    p.add_argument("--long-fraction", type=float, default=0.25, help="mixed dataset: share of long prompts")
     p.add_argument("--output-len", type=int, default=64, help="max_tokens per request")
     p.add_argument("--range-ratio", type=float, default=0.0, help="random dataset: lengths vary by ±ratio")
     p.add_argument("--temperature", type=float, default=0.0)
@@ -293,6 +315,7 @@ def add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--warmup", type=int, default=1, help="requests sent (and not counted) first")
     p.add_argument("--slo-ttft-ms", type=float, default=None)
     p.add_argument("--slo-tpot-ms", type=float, default=None)
+    p.add_argument("--slo-itl-ms", type=float, default=None, help="bound on a request's longest inter-token gap")
     p.add_argument("--slo-e2e-ms", type=float, default=None)
     p.add_argument("--json", default=None, metavar="PATH", help="also write the summary as JSON ('-' = stdout)")
 
@@ -302,11 +325,14 @@ def main(args: argparse.Namespace) -> dict[str, Any]:
         print("note: neither --concurrency nor --rate given: all requests are sent at once", file=sys.stderr)
     if args.dataset == "random":
         specs = random_dataset(args.num_requests, args.input_len, args.output_len, args.range_ratio, args.seed)
+    elif args.dataset == "mixed":
+        specs = mixed_dataset(args.num_requests, args.input_len, args.long_len, args.long_fraction, args.output_len,
+                              args.seed)
     else:
         specs = file_dataset(args.dataset, args.num_requests, args.output_len)
-    s = benchmark(args.url, specs, args.slo_ttft_ms, args.slo_tpot_ms, args.slo_e2e_ms, model=args.model,
-                  concurrency=args.concurrency, rate=args.rate, seed=args.seed, temperature=args.temperature,
-                  ignore_eos=args.ignore_eos, warmup=args.warmup)
+    s = benchmark(args.url, specs, args.slo_ttft_ms, args.slo_tpot_ms, args.slo_e2e_ms, args.slo_itl_ms,
+                  model=args.model, concurrency=args.concurrency, rate=args.rate, seed=args.seed,
+                  temperature=args.temperature, ignore_eos=args.ignore_eos, warmup=args.warmup)
     s["config"] = {k: v if not (isinstance(v, float) and math.isinf(v)) else "inf" for k, v in vars(args).items()
                    if k not in ("func",)}
     head = (f"bench serve {base_url(args.url)} model={s['model']} requests={args.num_requests} "

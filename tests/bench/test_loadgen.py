@@ -1,0 +1,31 @@
+"""Load generator without a server: the mixed dataset and the summary (ITL max and p99/p50, the
+ITL SLO, requests in flight)."""
+
+from __future__ import annotations
+
+import pytest
+
+from tokenhaul.bench.loadgen import RequestResult, format_table, mixed_dataset, summarize
+
+
+def test_mixed_dataset_is_seeded_and_mixes_long_and_short():
+    a = mixed_dataset(200, short_len=20, long_len=400, long_fraction=0.25, output_len=8, seed=3)
+    assert a == mixed_dataset(200, short_len=20, long_len=400, long_fraction=0.25, output_len=8, seed=3)
+    words = [len(s.prompt.split()) for s in a]
+    long = [w for w in words if w > 100]
+    assert all(16 <= w <= 25 for w in words if w <= 100) and all(320 <= w <= 481 for w in long)
+    assert 30 <= len(long) <= 70  # 25 % of 200, give or take
+    assert len({s.prompt for s in a}) == 200 and all(s.max_tokens == 8 for s in a)
+
+
+def test_summary_reports_itl_tail_and_judges_the_longest_gap():
+    smooth = RequestResult(ok=True, ttft=0.1, e2e=1.0, itls=[0.1] * 9, output_tokens=10)
+    stalled = RequestResult(ok=True, ttft=0.1, e2e=1.3, itls=[0.1] * 8 + [0.4], output_tokens=10)
+    s = summarize([smooth, stalled], wall_s=2.0, slo_ttft_ms=500, slo_itl_ms=200)
+    assert s["itl_ms"]["max"] == pytest.approx(400) and s["itl_ms"]["p50"] == pytest.approx(100)
+    assert s["itl_p99_over_p50"] == pytest.approx(s["itl_ms"]["p99"] / 100) and s["itl_p99_over_p50"] > 3
+    assert s["good_requests"] == 1 and s["goodput"] == pytest.approx(0.5)
+    assert s["mean_in_flight"] == pytest.approx(2.3 / 2.0)
+    table = format_table(s)
+    assert "ITL p99/p50" in table and "itl≤200ms" in table and "max" in table
+    assert summarize([stalled], 2.0, slo_itl_ms=400)["good_requests"] == 1
