@@ -25,11 +25,12 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-num-batched-tokens", type=int, default=512)
     p.add_argument("--max-num-seqs", type=int, default=64)
     p.add_argument("--no-prefix-cache", action="store_false", dest="enable_prefix_caching")
+    p.add_argument("--draft-model", default=None, help="draft model for --speculative draft (same vocabulary)")
 
 
 def engine_kwargs(args: argparse.Namespace) -> dict:
     keys = ("device", "dtype", "threads", "kv_memory_gib", "num_kv_blocks", "block_size", "max_model_len",
-            "max_num_batched_tokens", "max_num_seqs", "enable_prefix_caching")
+            "max_num_batched_tokens", "max_num_seqs", "enable_prefix_caching", "draft_model")
     return {k: getattr(args, k) for k in keys}
 
 
@@ -45,7 +46,7 @@ def add_sampling_args(p: argparse.ArgumentParser) -> None:
             p.add_argument(flag, type=elem, action="append", default=None,
                            help="repeat the flag for several values")
         else:
-            typ = float if isinstance(default, float) else int
+            typ = float if isinstance(default, float) else str if isinstance(default, str) else int
             p.add_argument(flag, type=typ, default=default)
 
 

@@ -24,6 +24,8 @@ class EngineConfig:
     max_model_len: int = 8192
     enable_prefix_caching: bool = True
     threads: int | None = None
+    draft_model: str | None = None  # alias or GGUF path of a draft model sharing the target's vocabulary
+    speculative_max_batch: int = 8  # above this many running requests nothing is drafted (bench/decoding.py)
 
     def __post_init__(self) -> None:
         if self.dtype not in DTYPES:
@@ -32,6 +34,8 @@ class EngineConfig:
             raise TokenhaulError("--device cuda requested but CUDA is not available")
         if self.block_size <= 0 or self.max_num_batched_tokens <= 0 or self.max_num_seqs <= 0:
             raise TokenhaulError("block_size, max_num_batched_tokens and max_num_seqs must be positive")
+        if self.speculative_max_batch < 0:
+            raise TokenhaulError("speculative_max_batch must be >= 0")
 
     @property
     def torch_dtype(self) -> torch.dtype:

@@ -8,11 +8,11 @@ import torch
 
 from tokenhaul.config import EngineConfig
 from tokenhaul.engine.core import EngineCore
-from tokenhaul.errors import RequestError
+from tokenhaul.errors import ModelError, RequestError
 from tokenhaul.ledger.costs import ModelCosts
 from tokenhaul.ledger.ledger import Ledger
 from tokenhaul.models.catalog import DEFAULT_MODEL, resolve
-from tokenhaul.models.registry import load_model
+from tokenhaul.models.registry import Model, load_model
 from tokenhaul.outputs import RequestOutput
 from tokenhaul.sampling_params import SamplingParams
 from tokenhaul.text.output_processor import OutputProcessor
@@ -31,9 +31,20 @@ class LLM:
         self.model = load_model(self.files.gguf_path, self.config.torch_dtype, self.config.device,
                                 self.config.max_model_len)  # first: rejects unsupported architectures
         self.tokenizer = Tokenizer.from_gguf(self.files.gguf_path, self.files.cache_dir, self.files.name)
-        self.core = EngineCore(self.config, self.model)
+        self.draft_model = self._load_draft(self.config.draft_model) if self.config.draft_model else None
+        self.core = EngineCore(self.config, self.model, draft_model=self.draft_model)
         self.costs = ModelCosts.from_model(self.model, self.config.torch_dtype.itemsize)
         self._ids = itertools.count()
+
+    def _load_draft(self, alias: str) -> Model:
+        """Load a draft model and refuse it unless its tokenizer is the target's, token for token."""
+        files = resolve(alias)
+        draft = load_model(files.gguf_path, self.config.torch_dtype, self.config.device, self.config.max_model_len)
+        tok = Tokenizer.from_gguf(files.gguf_path, files.cache_dir, files.name)
+        if tok.backend.get_vocab(with_added_tokens=True) != self.tokenizer.backend.get_vocab(with_added_tokens=True):
+            raise ModelError(f"draft model {alias!r} has another vocabulary than {self.config.model!r}: "
+                             f"speculation needs the same tokenizer")
+        return draft
 
     def encode(self, prompt: Prompt) -> list[int]:
         if isinstance(prompt, str):

@@ -7,6 +7,8 @@ from dataclasses import dataclass, field
 
 from tokenhaul.errors import RequestError
 
+SPECULATIVE = ("off", "prompt_lookup", "draft", "jacobi")
+
 
 @dataclass
 class SamplingParams:
@@ -25,6 +27,8 @@ class SamplingParams:
     include_stop_str_in_output: bool = False
     logprobs: int | None = None  # number of top logprobs per token (0 → only the chosen token's)
     skip_special_tokens: bool = True
+    speculative: str = "off"  # "off" | "prompt_lookup" | "draft" | "jacobi" (decoding/)
+    num_speculative_tokens: int = 4  # most drafts per step; adapted per request between 1 and this
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -48,6 +52,10 @@ class SamplingParams:
             (-2 <= self.frequency_penalty <= 2,
              f"frequency_penalty must be in [-2, 2], got {self.frequency_penalty}"),
             (self.logprobs is None or 0 <= self.logprobs <= 20, f"logprobs must be in [0, 20], got {self.logprobs}"),
+            (self.speculative in SPECULATIVE,
+             f"speculative must be one of {', '.join(SPECULATIVE)}, got {self.speculative!r}"),
+            (isinstance(self.num_speculative_tokens, int) and 1 <= self.num_speculative_tokens <= 16,
+             f"num_speculative_tokens must be an integer in [1, 16], got {self.num_speculative_tokens!r}"),
         ]
         for ok, msg in checks:
             if not ok:

@@ -1,7 +1,7 @@
 import pytest
 import torch
 
-from tokenhaul.decoding.sampler import apply_penalties, filter_logits, sample
+from tokenhaul.decoding.sampler import SamplingBatch, apply_penalties, filter_logits, sample
 from tokenhaul.engine.request import Request
 from tokenhaul.errors import RequestError
 from tokenhaul.sampling_params import SamplingParams
@@ -32,8 +32,18 @@ def test_top_k_top_p_min_p_restrict_support():
     assert set(draw({"top_k": 0})) == {0, 1, 2, 3, 4}
 
 
+def filt(logits, top_k, top_p, min_p):
+    """One row through the batched filter."""
+    V = logits.shape[-1]
+    return filter_logits(logits[None], torch.tensor([top_k or V]), torch.tensor([top_p]), torch.tensor([min_p]))[0]
+
+
+def penalize(logits, r):
+    return apply_penalties(logits[None], SamplingBatch.build([r], logits.shape[-1]))[0]
+
+
 def test_filter_logits_min_p_exact():
-    out = filter_logits(LOGITS.clone(), 0, 1.0, 0.5)
+    out = filt(LOGITS.clone(), 0, 1.0, 0.5)
     probs = torch.softmax(LOGITS, -1)
     assert torch.equal(torch.isinf(out), probs < 0.5 * probs.max())
 
@@ -41,7 +51,7 @@ def test_filter_logits_min_p_exact():
 def test_top_p_keeps_token_that_crosses_threshold():
     probs = torch.softmax(LOGITS, -1)
     top = probs.max().item()
-    out = filter_logits(LOGITS.clone(), 0, top + 1e-4, 0.0)
+    out = filt(LOGITS.clone(), 0, top + 1e-4, 0.0)
     assert (~torch.isinf(out)).sum() == 2
 
 
@@ -61,13 +71,13 @@ def test_temperature_sharpens():
 
 def test_repetition_penalty():
     r = req(prompt=(1,), out=(3,), repetition_penalty=2.0)
-    out = apply_penalties(LOGITS.clone(), r)
+    out = penalize(LOGITS.clone(), r)
     assert out[1] == pytest.approx(1.5) and out[3] == pytest.approx(0.25) and out[2] == 2.0
 
 
 def test_presence_and_frequency_penalty():
     r = req(out=(2, 2, 0), presence_penalty=0.5, frequency_penalty=0.25)
-    out = apply_penalties(LOGITS.clone(), r)
+    out = penalize(LOGITS.clone(), r)
     assert out[2] == pytest.approx(2.0 - 0.5 - 0.5) and out[0] == pytest.approx(1.0 - 0.5 - 0.25)
     assert out[1] == 3.0
 
@@ -78,6 +88,29 @@ def test_logprobs_chosen_and_top_n():
     assert s.logprob == pytest.approx(lp[1].item())
     assert [t for t, _ in s.top_logprobs] == [1, 4, 2]
     assert s.top_logprobs[0][1] == pytest.approx(lp[1].item())
+
+
+def test_batched_rows_equal_rows_alone():
+    """Mixed parameters in one batch: each row filtered and penalised exactly as when alone."""
+    g = torch.Generator().manual_seed(0)
+    logits = torch.randn(5, 50, generator=g)
+    rs = [req(top_k=3), req(top_p=0.4, out=(1, 1, 2), presence_penalty=0.3), req(min_p=0.2, temperature=0.5),
+          req(repetition_penalty=1.5, prompt=(4, 5), frequency_penalty=0.5, out=(4,)), req(temperature=0)]
+    batch = SamplingBatch.build(rs, 50)
+    together = filter_logits(apply_penalties(logits, batch), batch.top_k, batch.top_p, batch.min_p)
+    for i, r in enumerate(rs):
+        alone = SamplingBatch.build([r], 50)
+        row = filter_logits(apply_penalties(logits[i:i + 1], alone), alone.top_k, alone.top_p, alone.min_p)
+        assert torch.equal(together[i], row[0])
+    assert torch.isinf(together[0]).sum() == 47
+
+
+def test_seeded_rows_do_not_depend_on_batch_neighbours():
+    rows = torch.stack([LOGITS.flip(0), LOGITS, LOGITS.flip(0)])
+    r1, r2 = req(seed=11), req(seed=11)
+    alone = [sample(LOGITS[None].clone(), [r1])[0].token for _ in range(30)]
+    mixed = [sample(rows, [req(), r2, req(temperature=2.0)])[1].token for _ in range(30)]
+    assert alone == mixed and len(set(alone)) > 1
 
 
 def test_batch_rows_sampled_independently():

@@ -51,7 +51,7 @@ def test_budget_is_respected(tiny_core):
         inp = core.runner.prepare(sched)
         reqs = [c.request for c in inp.sample_chunks]
         samples = sample(core.runner.forward(inp), reqs)
-        core.scheduler.update(sched, {r.request_id: s.token for r, s in zip(reqs, samples)})
+        core.scheduler.update(sched, {r.request_id: [s.token] for r, s in zip(reqs, samples)})
 
 
 def test_new_requests_join_running_batch(tiny_core):

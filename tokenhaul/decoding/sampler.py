@@ -1,7 +1,13 @@
-"""Sampler: logits → next token per request (greedy, temperature, top-k/p, min-p, penalties, seed,
-logprobs). Logprobs are those of the model's raw distribution, as in vLLM."""
+"""Sampler: logits → tokens for a batch of rows, each with its own temperature, top-k, top-p, min-p,
+penalties and seed, as batched tensor ops (no Python loop over the vocabulary per row).
+
+A row belongs to a request and sees the request's tokens plus a `prefix` (the drafts before that
+row, when k+1 positions of one request are verified together). Logprobs are those of the model's
+raw distribution, as in vLLM. Seeded rows draw their uniform from the request's generator."""
 
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 import torch
 
@@ -9,62 +15,134 @@ from tokenhaul.engine.messages import Sample
 from tokenhaul.engine.request import Request
 
 
-def apply_penalties(logits: torch.Tensor, req: Request) -> torch.Tensor:
-    """Repetition penalty over prompt + output (HF/vLLM form); presence and frequency over output."""
-    p = req.params
-    if p.repetition_penalty != 1.0:
-        seen = torch.tensor(sorted(set(req.prompt_token_ids) | set(req.output_token_ids)),
-                            device=logits.device)
-        vals = logits[seen]
-        logits[seen] = torch.where(vals > 0, vals / p.repetition_penalty, vals * p.repetition_penalty)
-    if (p.presence_penalty or p.frequency_penalty) and req.output_token_ids:
-        out = torch.tensor(req.output_token_ids, device=logits.device)
-        counts = torch.bincount(out, minlength=logits.shape[-1]).to(logits.dtype)
-        logits -= p.frequency_penalty * counts + p.presence_penalty * (counts > 0).to(logits.dtype)
+@dataclass
+class SamplingBatch:
+    """Per-row parameters as tensors [R]; built once per step from the rows' requests."""
+
+    reqs: list[Request]
+    prefixes: list[list[int]]
+    temperature: torch.Tensor
+    top_k: torch.Tensor  # vocab size where off
+    top_p: torch.Tensor
+    min_p: torch.Tensor
+    greedy: torch.Tensor  # bool
+
+    @classmethod
+    def build(cls, reqs: list[Request], vocab: int, prefixes: list[list[int]] | None = None) -> SamplingBatch:
+        ps = [r.params for r in reqs]
+        return cls(reqs, prefixes or [[] for _ in reqs],
+                   torch.tensor([1.0 if p.greedy else p.temperature for p in ps]),
+                   torch.tensor([p.top_k if 0 < p.top_k < vocab else vocab for p in ps]),
+                   torch.tensor([p.top_p for p in ps]), torch.tensor([p.min_p for p in ps]),
+                   torch.tensor([p.greedy for p in ps], dtype=torch.bool))
+
+    def rows(self, idx: list[int]) -> SamplingBatch:
+        return SamplingBatch([self.reqs[i] for i in idx], [self.prefixes[i] for i in idx], self.temperature[idx],
+                             self.top_k[idx], self.top_p[idx], self.min_p[idx], self.greedy[idx])
+
+
+def _index(rows: list[list[int]], device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """Flat (row, token) index pairs of per-row token lists."""
+    r = [i for i, toks in enumerate(rows) for _ in toks]
+    t = [tok for toks in rows for tok in toks]
+    return torch.tensor(r, dtype=torch.long, device=device), torch.tensor(t, dtype=torch.long, device=device)
+
+
+def apply_penalties(logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
+    """Repetition penalty over prompt + output + prefix (HF/vLLM form); presence and frequency over
+    output + prefix. Returns new logits [R, V] (the input is left unchanged)."""
+    ps = [r.params for r in batch.reqs]
+    if not any(p.needs_penalties for p in ps):
+        return logits
+    logits = logits.clone()
+    dev = logits.device
+    rep = torch.tensor([p.repetition_penalty for p in ps], device=dev)[:, None]
+    if bool((rep != 1.0).any()):
+        seen = torch.zeros_like(logits, dtype=torch.bool)
+        rows = [r.prompt_token_ids + r.output_token_ids + pre if p.repetition_penalty != 1.0 else []
+                for r, p, pre in zip(batch.reqs, ps, batch.prefixes)]
+        seen[_index(rows, dev)] = True
+        logits = torch.where(seen, torch.where(logits > 0, logits / rep, logits * rep), logits)
+    pres = torch.tensor([p.presence_penalty for p in ps], device=dev)[:, None]
+    freq = torch.tensor([p.frequency_penalty for p in ps], device=dev)[:, None]
+    if bool((pres != 0).any() or (freq != 0).any()):
+        counts = torch.zeros_like(logits)
+        rows = [r.output_token_ids + pre for r, pre in zip(batch.reqs, batch.prefixes)]
+        r_idx, t_idx = _index(rows, dev)
+        counts.index_put_((r_idx, t_idx), torch.ones_like(t_idx, dtype=logits.dtype), accumulate=True)
+        logits = logits - freq * counts - pres * (counts > 0).to(logits.dtype)
     return logits
 
 
-def filter_logits(logits: torch.Tensor, top_k: int, top_p: float, min_p: float) -> torch.Tensor:
-    """Mask (to -inf) tokens outside top-k, outside the top-p nucleus, or below min_p × max prob."""
-    if top_k and top_k < logits.shape[-1]:
-        kth = torch.topk(logits, top_k).values[-1]
+def filter_logits(logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor, min_p: torch.Tensor) -> torch.Tensor:
+    """logits [R, V]; per row, mask (to -inf) tokens outside top-k, below min_p × max prob, then
+    outside the top-p nucleus (the token that crosses top_p is kept)."""
+    V = logits.shape[-1]
+    if bool((top_k < V).any()):
+        top = torch.topk(logits, int(top_k.max())).values
+        kth = top.gather(1, (top_k - 1)[:, None].to(logits.device))
         logits = logits.masked_fill(logits < kth, float("-inf"))
-    if min_p > 0:
+    if bool((min_p > 0).any()):
         probs = torch.softmax(logits, -1)
-        logits = logits.masked_fill(probs < min_p * probs.max(), float("-inf"))
-    if top_p < 1.0:
-        sorted_logits, order = torch.sort(logits, descending=True)
-        cum = torch.softmax(sorted_logits, -1).cumsum(-1)
-        drop = cum - torch.softmax(sorted_logits, -1) >= top_p  # keep the token that crosses top_p
-        logits = logits.masked_fill(torch.zeros_like(drop).scatter(0, order, drop), float("-inf"))
+        logits = logits.masked_fill(probs < min_p[:, None].to(logits.device) * probs.amax(-1, keepdim=True),
+                                    float("-inf"))
+    if bool((top_p < 1.0).any()):
+        sorted_logits, order = torch.sort(logits, -1, descending=True)
+        p = torch.softmax(sorted_logits, -1)
+        drop = p.cumsum(-1) - p >= top_p[:, None].to(logits.device)
+        logits = logits.masked_fill(torch.zeros_like(drop).scatter(1, order, drop), float("-inf"))
     return logits
 
 
-def sample_one(logits: torch.Tensor, req: Request) -> int:
-    p = req.params
-    if p.needs_penalties:
-        logits = apply_penalties(logits.clone(), req)
-    if p.greedy:
-        return int(logits.argmax())
-    logits = filter_logits(logits / p.temperature, p.top_k, p.top_p, p.min_p)
-    probs = torch.softmax(logits, -1)
-    if req.generator is not None:
-        return int(torch.multinomial(probs.cpu(), 1, generator=req.generator))
-    return int(torch.multinomial(probs, 1))
+def probabilities(logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
+    """Penalised logits [R, V] → the distribution each (non-greedy) row samples from."""
+    logits = logits / batch.temperature[:, None].to(logits.device)
+    return torch.softmax(filter_logits(logits, batch.top_k, batch.top_p, batch.min_p), -1)
+
+
+def uniforms(reqs: list[Request]) -> torch.Tensor:
+    """One U[0, 1) per row: from the request's generator when seeded, else from torch's global one."""
+    u = torch.rand(len(reqs))
+    for i, r in enumerate(reqs):
+        if r.generator is not None:
+            u[i] = torch.rand(1, generator=r.generator)
+    return u
+
+
+def draw(probs: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
+    """Inverse-CDF draw per row: probs [R, V] (need not be normalised), u [R] → token ids [R]."""
+    cdf = probs.cumsum(-1)
+    total = cdf[:, -1:]
+    x = torch.minimum(u[:, None].to(probs.device) * total, torch.nextafter(total, torch.zeros_like(total)))
+    return torch.searchsorted(cdf, x, right=True)[:, 0]
+
+
+def next_tokens(logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
+    """Penalised logits [R, V] → one token per row: argmax for greedy rows, a draw for the rest."""
+    tokens = logits.argmax(-1)
+    sampled = (~batch.greedy).nonzero()[:, 0].tolist()
+    if sampled:
+        sub = batch.rows(sampled)
+        tokens[sampled] = draw(probabilities(logits[sampled], sub), uniforms(sub.reqs)).to(tokens.device)
+    return tokens
+
+
+def with_logprobs(logits: torch.Tensor, tokens: list[int], reqs: list[Request]) -> list[Sample]:
+    """Wrap tokens as Samples, adding the raw logprobs [R, V] → chosen (and top-n) where asked."""
+    out = [Sample(t) for t in tokens]
+    want = [i for i, r in enumerate(reqs) if r.params.logprobs is not None]
+    if want:
+        lp = torch.log_softmax(logits[want], -1)
+        for j, i in enumerate(want):
+            out[i].logprob = float(lp[j, tokens[i]])
+            n = reqs[i].params.logprobs
+            if n:
+                vals, ids = torch.topk(lp[j], n)
+                out[i].top_logprobs = list(zip(ids.tolist(), vals.tolist()))
+    return out
 
 
 def sample(logits: torch.Tensor, reqs: list[Request]) -> list[Sample]:
-    """logits: [N, vocab] fp32, one row per request in `reqs`."""
-    simple = all(r.params.greedy and not r.params.needs_penalties for r in reqs)
-    tokens = logits.argmax(-1).tolist() if simple else [sample_one(logits[i], r) for i, r in enumerate(reqs)]
-    out = [Sample(t) for t in tokens]
-    for i, r in enumerate(reqs):
-        n = r.params.logprobs
-        if n is None:
-            continue
-        lp = torch.log_softmax(logits[i], -1)
-        out[i].logprob = float(lp[tokens[i]])
-        if n > 0:
-            vals, ids = torch.topk(lp, n)
-            out[i].top_logprobs = list(zip(ids.tolist(), vals.tolist()))
-    return out
+    """logits: [N, vocab] fp32, one row per request in `reqs` → one Sample each."""
+    batch = SamplingBatch.build(reqs, logits.shape[-1])
+    return with_logprobs(logits, next_tokens(apply_penalties(logits, batch), batch).tolist(), reqs)

@@ -1,25 +1,29 @@
 """EngineCore: add_request / abort / step. Token ids in, token-id deltas out; no text, no HTTP.
 
-step() is schedule → prepare → forward → sample → update. An optional observer (the ledger) is
+step() is schedule → prepare → forward → verify → update → propose (decoding/decoder.py: a plain
+request is one with no drafts). An optional observer (the ledger) is
 told what each step did and how long each stage took; nothing here ever reads it back."""
 
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Protocol
 
 import torch
 
 from tokenhaul.config import EngineConfig
-from tokenhaul.decoding.sampler import sample
+from tokenhaul.decoding import PROPOSERS
+from tokenhaul.decoding.decoder import Decoder, Verdict
+from tokenhaul.decoding.speculative import DraftModel, check_pair
 from tokenhaul.engine.messages import CoreLimits, CoreStats, RequestDelta
-from tokenhaul.engine.request import Request
+from tokenhaul.engine.request import Request, Status
 from tokenhaul.engine.runner import ModelRunner
 from tokenhaul.engine.scheduler import Scheduler, SchedulerConfig
-from tokenhaul.errors import CapacityError
+from tokenhaul.errors import CapacityError, RequestError
 from tokenhaul.kv.block_pool import BlockPool
 from tokenhaul.kv.cache import KVCache
+from tokenhaul.kv.manager import KVManager
 from tokenhaul.kv.prefix_cache import PrefixCache
 from tokenhaul.models.registry import Model
 from tokenhaul.sampling_params import SamplingParams
@@ -33,7 +37,7 @@ class StepRecord:
     t_start: float
     stage_seconds: dict[str, float]
     chunks: list[tuple[str, int, int]]  # (request id, start position, tokens computed)
-    sampled: list[str]  # request ids that produced a token
+    sampled: list[str]  # request ids, one entry per token produced (a verified request may produce several)
     preempted: list[str]
     kv_blocks_used: int
     kv_blocks_cached: int
@@ -41,6 +45,7 @@ class StepRecord:
     rejected_tokens: int = 0  # tokens computed then thrown away (rejected speculative drafts)
     kv_block_size: int = 1  # attention gathers K/V in whole blocks of this many slots
     kv_view_slots: int = 0  # key slots per layer read in place (consecutive blocks), not gathered
+    speculation: list[tuple[str, int, int]] = field(default_factory=list)  # (request id, proposed, accepted)
 
 
 class StepObserver(Protocol):
@@ -49,28 +54,43 @@ class StepObserver(Protocol):
     def on_finish(self, request: Request) -> None: ...
 
 
-def kv_blocks_for(config: EngineConfig, model: Model) -> int:
+def kv_blocks_for(config: EngineConfig, model: Model, draft: Model | None = None) -> int:
+    def per_block(m: Model) -> int:
+        c = m.config
+        return KVCache.bytes_per_block(c.num_layers, config.block_size, c.num_kv_heads, c.head_dim,
+                                       config.torch_dtype)
+
+    size = per_block(model) + (per_block(draft) if draft is not None else 0)
+    return config.num_kv_blocks or max(1, int(config.kv_memory_gib * 2**30 // size))
+
+
+def make_cache(config: EngineConfig, model: Model, num_blocks: int) -> KVCache:
     c = model.config
-    per_block = KVCache.bytes_per_block(c.num_layers, config.block_size, c.num_kv_heads, c.head_dim,
-                                        config.torch_dtype)
-    return config.num_kv_blocks or max(1, int(config.kv_memory_gib * 2**30 // per_block))
+    return KVCache(c.num_layers, num_blocks, config.block_size, c.num_kv_heads, c.head_dim, config.torch_dtype,
+                   config.device)
 
 
 class EngineCore:
-    def __init__(self, config: EngineConfig, model: Model, observer: StepObserver | None = None) -> None:
+    def __init__(self, config: EngineConfig, model: Model, observer: StepObserver | None = None,
+                 draft_model: Model | None = None) -> None:
         self.config = config
         self.model = model
         self.observer = observer
-        c = model.config
-        num_blocks = kv_blocks_for(config, model)
-        self.kv = KVCache(c.num_layers, num_blocks, config.block_size, c.num_kv_heads, c.head_dim,
-                          config.torch_dtype, config.device)
+        num_blocks = kv_blocks_for(config, model, draft_model)
+        self.kv = make_cache(config, model, num_blocks)
         self.pool = BlockPool(num_blocks, config.block_size)
         self.prefix_cache = PrefixCache(self.pool, config.enable_prefix_caching)
-        max_len = min(config.max_model_len, c.max_position)
+        max_len = min(config.max_model_len, model.config.max_position)
         sched_cfg = SchedulerConfig(config.max_num_batched_tokens, config.max_num_seqs, max_len)
-        self.scheduler = Scheduler(sched_cfg, self.pool, self.prefix_cache)
-        self.runner = ModelRunner(model, self.kv, config.device)
+        self.scheduler = Scheduler(sched_cfg, KVManager(self.pool, self.prefix_cache))
+        proposers = {name: cls() for name, cls in PROPOSERS.items()}
+        mirrors: tuple[KVCache, ...] = ()
+        if draft_model is not None:
+            check_pair(model, draft_model)
+            mirrors = (make_cache(config, draft_model, num_blocks),)
+            proposers["draft"] = DraftModel(draft_model, mirrors[0], config.device)
+        self.runner = ModelRunner(model, self.kv, config.device, mirrors)
+        self.decoder = Decoder(proposers, max_len, config.speculative_max_batch)
         self.num_steps = 0
 
     @property
@@ -80,13 +100,18 @@ class EngineCore:
     def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
                     eos_token_ids: tuple[int, ...] = (), priority: int = 0) -> None:
         """Queue a request; raises RequestError/CapacityError if it can never run."""
+        if params.speculative not in self.decoder.proposers and params.speculative != "off":
+            raise RequestError(f"speculative={params.speculative!r} needs an engine started with a draft model "
+                               f"(--draft-model)")
         self.scheduler.add(Request(request_id, list(prompt_token_ids), params, tuple(eos_token_ids), priority))
 
     def abort(self, request_id: str, reason: str = "abort") -> None:
         """Finish a request now (client gone, stop string seen); its KV blocks are freed at once."""
         req = self.scheduler.abort(request_id, reason)
-        if req is not None and self.observer:
-            self.observer.on_finish(req)
+        if req is not None:
+            self.decoder.forget(req)
+            if self.observer:
+                self.observer.on_finish(req)
 
     def has_unfinished(self) -> bool:
         return self.scheduler.has_unfinished()
@@ -107,6 +132,7 @@ class EngineCore:
         return list(self.scheduler.requests)
 
     def step(self) -> list[RequestDelta]:
+        """schedule → prepare → forward → verify (sample; keep accepted drafts) → update → propose."""
         t0 = time.perf_counter()
         sched = self.scheduler.schedule()
         if not sched.chunks:
@@ -120,27 +146,37 @@ class EngineCore:
         if logits.device.type == "cuda":
             torch.cuda.synchronize()
         t3 = time.perf_counter()
-        reqs = [c.request for c in inp.sample_chunks]
-        samples = sample(logits, reqs)
+        verdicts = self.decoder.verify(logits, inp.sample_chunks)
         t4 = time.perf_counter()
-        by_id = {r.request_id: s for r, s in zip(reqs, samples)}
-        finished = self.scheduler.update(sched, {k: s.token for k, s in by_id.items()})
-        deltas = [RequestDelta(rid, [s.token], samples=[s]) for rid, s in by_id.items()]
-        done = {r.request_id: r for r in finished}
-        for d in deltas:
-            if d.request_id in done:
-                d.finished, d.finish_reason = True, done[d.request_id].finish_reason
+        before = {v.request.request_id: len(v.request.output_token_ids) for v in verdicts}
+        finished = self.scheduler.update(sched, {v.request.request_id: [s.token for s in v.samples]
+                                                 for v in verdicts})
+        for r in finished:
+            self.decoder.forget(r)
         t5 = time.perf_counter()
+        self.decoder.propose(self.scheduler.running)
+        t6 = time.perf_counter()
+        deltas = [self._delta(v, before[v.request.request_id]) for v in verdicts]
         if self.observer:
             self.observer.on_step(StepRecord(
                 self.num_steps, t0,
                 {"schedule": t1 - t0, "prepare": t2 - t1, "forward": t3 - t2, "sample": t4 - t3,
-                 "update": t5 - t4},
+                 "update": t5 - t4, "propose": t6 - t5},
                 [(c.request.request_id, c.start, c.num_tokens) for c in sched.chunks],
-                list(by_id), sched.preempted, self.pool.num_used, self.pool.num_cached,
-                len(sched.block_copies) * self.pool.block_size, kv_block_size=self.pool.block_size,
-                kv_view_slots=inp.kv_view_slots))
+                [d.request_id for d in deltas for _ in d.new_token_ids], sched.preempted, self.pool.num_used,
+                self.pool.num_cached, len(sched.block_copies) * self.pool.block_size,
+                rejected_tokens=sum(v.proposed - v.accepted for v in verdicts), kv_block_size=self.pool.block_size,
+                kv_view_slots=inp.kv_view_slots,
+                speculation=[(v.request.request_id, v.proposed, v.accepted) for v in verdicts if v.proposed]))
             for r in finished:
                 self.observer.on_finish(r)
         self.num_steps += 1
         return deltas
+
+    @staticmethod
+    def _delta(v: Verdict, before: int) -> RequestDelta:
+        """The tokens update() appended for a verdict (a stop may cut the accepted ones short)."""
+        req = v.request
+        new = req.output_token_ids[before:]
+        done = req.status is Status.FINISHED
+        return RequestDelta(req.request_id, new, done, req.finish_reason if done else None, v.samples[:len(new)])

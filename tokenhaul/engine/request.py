@@ -1,7 +1,8 @@
 """Request: one sequence's state as the engine core sees it — token ids only, no text.
 
-Scheduling is in tokens, not phases: `num_computed_tokens` catches up with `num_tokens`; that one
-piece of arithmetic covers prefill chunks, prefix-cache hits, decode and recompute after preemption.
+Scheduling is in tokens, not phases: `num_computed_tokens` catches up with `num_tokens_with_drafts`;
+that one piece of arithmetic covers prefill chunks, prefix-cache hits, decode, recompute after
+preemption and the verification of draft tokens (proposed by a strategy in decoding/, not yet accepted).
 """
 
 from __future__ import annotations
@@ -42,6 +43,8 @@ class Request:
     block_ids: list[int] = field(default_factory=list)  # append-only while running
     block_hashes: list[int] = field(default_factory=list)
     generator: torch.Generator | None = None
+    draft_token_ids: list[int] = field(default_factory=list)  # proposed after the last token, to verify
+    num_lookahead: int = 0  # KV slots to reserve past the scheduled tokens for the next proposal
 
     def __post_init__(self) -> None:
         if self.params.seed is not None:
@@ -56,6 +59,10 @@ class Request:
         return len(self.prompt_token_ids) + len(self.output_token_ids)
 
     @property
+    def num_tokens_with_drafts(self) -> int:
+        return self.num_tokens + len(self.draft_token_ids)
+
+    @property
     def num_prompt_tokens(self) -> int:
         return len(self.prompt_token_ids)
 
@@ -64,8 +71,10 @@ class Request:
         return (self.priority, self.arrival)
 
     def token_slice(self, start: int, end: int) -> list[int]:
-        """Token ids [start, end) of prompt + output, without building the whole list."""
-        p = len(self.prompt_token_ids)
+        """Token ids [start, end) of prompt + output + drafts, without building the whole list."""
+        p, n = len(self.prompt_token_ids), self.num_tokens
+        if end > n:
+            return self.token_slice(start, n) + self.draft_token_ids[max(0, start - n):end - n]
         if start >= p:
             return self.output_token_ids[start - p:end - p]
         if end <= p:

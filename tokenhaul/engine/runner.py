@@ -18,67 +18,59 @@ class ModelInput:
     input_ids: torch.Tensor  # [T]
     meta: AttentionMetadata
     sample_rows: torch.Tensor  # [N] rows of the hidden states whose logits are sampled
-    sample_chunks: list[ScheduledChunk]  # the N chunks that sample, in row order
+    sample_chunks: list[ScheduledChunk]  # the chunks that sample, in row order (chunk.num_sampled rows each)
     kv_view_slots: int = 0  # key slots per layer read in place (consecutive blocks), not gathered
 
 
 class ModelRunner:
-    def __init__(self, model: Model, kv: KVCache, device: str | torch.device) -> None:
+    def __init__(self, model: Model, kv: KVCache, device: str | torch.device,
+                 mirrors: tuple[KVCache, ...] = ()) -> None:
         self.model = model
         self.kv = kv
+        self.mirrors = mirrors  # caches addressed by the same block ids (a draft model's): copied alike
         self.device = torch.device(device)
         self.block_size = kv.block_size
         self.window = model.config.sliding_window
 
     def prepare(self, sched: SchedulerOutput) -> ModelInput:
-        """Order tokens decodes-first, then each prefill chunk; build metadata on the CPU, move once."""
+        """Group chunks by query length — all decodes in one attention call, all k+1-token verify
+        chunks in another, equal prefill chunks together — build metadata on the CPU, move once."""
         for src, dst in sched.block_copies:
-            self.kv.copy_block(src, dst)
-        decodes = [c for c in sched.chunks if c.num_tokens == 1]
-        prefills = [c for c in sched.chunks if c.num_tokens > 1]
+            for cache in (self.kv, *self.mirrors):
+                cache.copy_block(src, dst)
+        by_len: dict[int, list[ScheduledChunk]] = {}
+        for c in sched.chunks:
+            by_len.setdefault(c.num_tokens, []).append(c)
         ids: list[int] = []
         pos: list[int] = []
-        for c in decodes + prefills:
-            ids += c.request.token_slice(c.start, c.start + c.num_tokens)
-            pos += range(c.start, c.start + c.num_tokens)
-        positions = torch.tensor(pos, dtype=torch.long)
         groups: list[AttnGroup] = []
         slot_parts: list[torch.Tensor] = []
-        row = 0
         sample_rows: list[int] = []
         sample_chunks: list[ScheduledChunk] = []
-        single = len(decodes) + len(prefills) == 1
+        single = len(by_len) == 1
         bs = self.block_size
-        if decodes:
-            kv_len = torch.tensor([c.start + 1 for c in decodes])
-            table = self._block_table([c.request.block_ids for c in decodes], int(kv_len.max()))
-            pos_last = kv_len - 1
-            slot_parts.append(table.gather(1, (pos_last // bs)[:, None])[:, 0] * bs + pos_last % bs)
-            mask, local = self._masks(pos_last[:, None], table.shape[1] * bs)
-            idx = None if single or not prefills else torch.arange(len(decodes))
-            start = self._consecutive(decodes[0].request.block_ids, table.shape[1]) if len(decodes) == 1 else None
-            groups.append(AttnGroup(len(decodes), 1, idx, table, mask, local, start))
-            for r, c in enumerate(decodes):
-                if c.samples:  # a 1-token chunk mid-prompt does not sample
-                    sample_rows.append(r)
+        row = 0
+        for q_len in sorted(by_len):
+            chunks = by_len[q_len]
+            for c in chunks:
+                ids += c.request.token_slice(c.start, c.start + q_len)
+                pos += range(c.start, c.start + q_len)
+                if c.num_sampled:
+                    sample_rows += range(row + q_len - c.num_sampled, row + q_len)
                     sample_chunks.append(c)
-            row = len(decodes)
-        for c in prefills:
-            end = c.start + c.num_tokens
-            table = self._block_table([c.request.block_ids], end)
-            p = torch.arange(c.start, end)
-            slot_parts.append(table[0, p // bs] * bs + p % bs)
-            mask, local = self._masks(p[None, :], table.shape[1] * bs)
-            idx = None if single else torch.arange(row, row + c.num_tokens)
-            groups.append(AttnGroup(1, c.num_tokens, idx, table, mask, local,
-                                    self._consecutive(c.request.block_ids, table.shape[1])))
-            row += c.num_tokens
-            if c.samples:
-                sample_rows.append(row - 1)
-                sample_chunks.append(c)
+                row += q_len
+            starts = torch.tensor([c.start for c in chunks])
+            q_pos = starts[:, None] + torch.arange(q_len)  # [B, q_len]
+            table = self._block_table([c.request.block_ids for c in chunks], int(q_pos.max()) + 1)
+            slot_parts.append((table.gather(1, q_pos // bs) * bs + q_pos % bs).flatten())
+            mask, local = self._masks(q_pos, table.shape[1] * bs)
+            n = len(chunks) * q_len
+            idx = None if single else torch.arange(row - n, row)
+            first = self._consecutive(chunks[0].request.block_ids, table.shape[1]) if len(chunks) == 1 else None
+            groups.append(AttnGroup(len(chunks), q_len, idx, table, mask, local, first))
         view_slots = sum(g.block_table.shape[1] * bs for g in groups if g.block_start is not None)
         dev = self.device
-        meta = AttentionMetadata(positions.to(dev), torch.cat(slot_parts).to(dev),
+        meta = AttentionMetadata(torch.tensor(pos, dtype=torch.long).to(dev), torch.cat(slot_parts).to(dev),
                                  [self._to(g) for g in groups], len(ids))
         return ModelInput(torch.tensor(ids, dtype=torch.long, device=dev), meta,
                           torch.tensor(sample_rows, dtype=torch.long, device=dev), sample_chunks, view_slots)

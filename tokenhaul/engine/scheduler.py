@@ -1,7 +1,7 @@
 """Scheduler: continuous batching in tokens. Each step, running requests get their next tokens
 (one per decode, a chunk per unfinished prefill), then waiting requests join under the token
 budget. When blocks run out, the youngest running request is preempted (recompute) and resumed
-later from the waiting queue. Works on integer block ids only; never imports a model."""
+later from the waiting queue. Token arithmetic only: KV goes through kv/manager.py; never imports a model."""
 
 from __future__ import annotations
 
@@ -10,8 +10,7 @@ from dataclasses import dataclass, field
 
 from tokenhaul.engine.request import Request, Status
 from tokenhaul.errors import CapacityError, RequestError
-from tokenhaul.kv.block_pool import BlockPool
-from tokenhaul.kv.prefix_cache import PrefixCache
+from tokenhaul.kv.manager import KVManager
 
 
 @dataclass(frozen=True)
@@ -26,11 +25,16 @@ class ScheduledChunk:
     request: Request
     start: int  # first position computed this step (== num_computed_tokens before the step)
     num_tokens: int
+    num_drafts: int = 0  # draft tokens at the end of the chunk, verified this step
+    num_sampled: int = 0  # last rows whose logits are sampled: 1 + num_drafts at the end of the known
+    #                       tokens, 0 for a prompt chunk mid-way
 
-    @property
-    def samples(self) -> bool:
-        """True when this chunk reaches the end of the known tokens, so its last logits are sampled."""
-        return self.start + self.num_tokens == self.request.num_tokens
+
+def chunk(req: Request, num_tokens: int) -> ScheduledChunk:
+    """The chunk computing req's next num_tokens positions (its drafts included when they all fit)."""
+    drafts = len(req.draft_token_ids)
+    reaches_end = req.num_computed_tokens + num_tokens == req.num_tokens + drafts
+    return ScheduledChunk(req, req.num_computed_tokens, num_tokens, drafts, 1 + drafts if reaches_end else 0)
 
 
 @dataclass
@@ -45,10 +49,9 @@ class SchedulerOutput:
 
 
 class Scheduler:
-    def __init__(self, config: SchedulerConfig, pool: BlockPool, prefix_cache: PrefixCache) -> None:
+    def __init__(self, config: SchedulerConfig, kv: KVManager) -> None:
         self.config = config
-        self.pool = pool
-        self.prefix_cache = prefix_cache
+        self.kv = kv
         self.waiting: list[Request] = []  # sorted by (priority, arrival)
         self.running: list[Request] = []  # admission order: the last is the youngest
         self.requests: dict[str, Request] = {}
@@ -66,10 +69,10 @@ class Scheduler:
             raise RequestError(f"prompt has {n} tokens; the context holds {self.config.max_model_len} "
                                f"(prompt + at least 1 new token)")
         total = min(n + req.params.max_tokens, self.config.max_model_len)
-        need = self._blocks_for(total)
-        if need > self.pool.num_blocks:
+        need = self.kv.blocks_for(total)
+        if need > self.kv.num_blocks:
             raise CapacityError(f"request needs {need} KV blocks ({total} tokens) but the pool has only "
-                                f"{self.pool.num_blocks}; raise --kv-memory or lower max_tokens")
+                                f"{self.kv.num_blocks}; raise --kv-memory or lower max_tokens")
         self.requests[req.request_id] = req
         self._enqueue(req)
 
@@ -90,57 +93,67 @@ class Scheduler:
 
     # the step ----------------------------------------------------------------------------
     def schedule(self) -> SchedulerOutput:
+        """Running requests first (their next tokens and drafts), then waiting ones, under the token
+        budget. Drafts that do not fit the budget are dropped, not split."""
         out = SchedulerOutput()
         budget = self.config.max_num_batched_tokens
         i = 0
         while i < len(self.running) and budget > 0:
             req = self.running[i]
-            n = min(req.num_tokens - req.num_computed_tokens, budget)
+            if req.num_tokens_with_drafts - req.num_computed_tokens > budget:
+                req.draft_token_ids = []
+            n = min(req.num_tokens_with_drafts - req.num_computed_tokens, budget)
             if not self._reserve(req, n, out):
                 break  # req itself was preempted
-            out.chunks.append(ScheduledChunk(req, req.num_computed_tokens, n))
+            out.chunks.append(chunk(req, n))
             budget -= n
             i += 1
         while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs and not out.preempted:
             req = self.waiting[0]
-            if not req.block_ids:
-                req.block_ids, req.block_hashes = self.prefix_cache.match(req.all_token_ids)
-                req.num_computed_tokens = len(req.block_ids) * self.pool.block_size
-                if req.num_preemptions == 0:
-                    req.num_cached_tokens = req.num_computed_tokens
-            n = min(req.num_tokens - req.num_computed_tokens, budget)
-            need = self._blocks_for(req.num_computed_tokens + n) - len(req.block_ids)
-            if need > self.pool.num_free:
-                self._release(req)
+            computed = self.kv.match(req)
+            if req.num_preemptions == 0:
+                req.num_cached_tokens = computed
+            n = min(req.num_tokens - computed, budget)
+            copies = self.kv.allocate_slots(req, n, req.num_lookahead)
+            if copies is None:
+                self.kv.free(req)
                 break
-            req.block_ids += self.pool.allocate(need)
+            out.block_copies += copies
             self.waiting.pop(0)
             req.status = Status.RUNNING
             self.running.append(req)
-            out.chunks.append(ScheduledChunk(req, req.num_computed_tokens, n))
+            out.chunks.append(chunk(req, n))
             budget -= n
         return out
 
-    def update(self, out: SchedulerOutput, sampled: dict[str, int]) -> list[Request]:
-        """Advance computed tokens, append sampled tokens, finish what stops. Returns finished."""
+    def update(self, out: SchedulerOutput, accepted: dict[str, list[int]]) -> list[Request]:
+        """Advance each chunk's request by what was accepted: a chunk of n tokens ending in d drafts,
+        of which a were accepted (then len(tokens) == a + 1), computed n - (d - a) positions; the
+        accepted tokens are appended until one stops the request; rejected slots are rolled back.
+        Returns the requests that finished."""
         finished = []
         for c in out.chunks:
             req = c.request
             if req.status is not Status.RUNNING:
                 continue  # aborted during the step
-            req.num_computed_tokens += c.num_tokens
-            if self.prefix_cache.enabled and req.num_computed_tokens // self.pool.block_size > len(req.block_hashes):
-                req.block_hashes = self.prefix_cache.register(
-                    req.all_token_ids, req.num_computed_tokens, req.block_ids, req.block_hashes)
-            tok = sampled.get(req.request_id)
-            if tok is None:
-                continue
-            req.output_token_ids.append(tok)
-            reason = self._stop_reason(req, tok)
+            tokens = accepted.get(req.request_id, [])
+            rejected = c.num_drafts - (len(tokens) - 1) if tokens else c.num_drafts
+            req.num_computed_tokens += c.num_tokens - rejected
+            req.draft_token_ids = []
+            reason = None
+            for tok in tokens:
+                req.output_token_ids.append(tok)
+                reason = self._stop_reason(req, tok)
+                if reason is not None:
+                    break
             if reason is not None:
                 self.running.remove(req)
                 self._finish(req, reason)
                 finished.append(req)
+                continue
+            if rejected:
+                self.kv.truncate(req, req.num_computed_tokens + req.num_lookahead)
+            self.kv.commit(req)
         return finished
 
     # helpers -----------------------------------------------------------------------------
@@ -154,48 +167,34 @@ class Scheduler:
             return "length"
         return None
 
-    def _blocks_for(self, num_tokens: int) -> int:
-        return -(-num_tokens // self.pool.block_size)
-
     def _reserve(self, req: Request, n: int, out: SchedulerOutput) -> bool:
-        """Make sure req has blocks for n more tokens, preempting the youngest running requests
-        if needed. Returns False if req itself had to be preempted."""
-        need = self._blocks_for(req.num_computed_tokens + n) - len(req.block_ids)
-        while need > self.pool.num_free:
+        """Make slots for n more tokens (plus the request's lookahead) writable, preempting the
+        youngest running requests if needed. Returns False if req itself had to be preempted."""
+        while (copies := self.kv.allocate_slots(req, n, req.num_lookahead)) is None:
             victim = self.running[-1]
             self._preempt(victim, out)
             if victim is req:
                 return False
-        if need > 0:
-            req.block_ids += self.pool.allocate(need)
-        last = req.num_computed_tokens // self.pool.block_size
-        if last < len(req.block_ids) and req.num_computed_tokens % self.pool.block_size:
-            b = req.block_ids[last]  # the partly filled block we are about to write into
-            new = self.pool.copy_on_write(b)
-            if new != b:
-                out.block_copies.append((b, new))
-                req.block_ids[last] = new
+        out.block_copies += copies
         return True
 
     def _preempt(self, req: Request, out: SchedulerOutput) -> None:
         self.running.remove(req)
-        self._release(req)
+        self.kv.free(req)
+        req.draft_token_ids = []
         req.status = Status.WAITING
         req.num_preemptions += 1
         self.num_preemptions += 1
         out.preempted.append(req.request_id)
         self._enqueue(req)
 
-    def _release(self, req: Request) -> None:
-        self.pool.free(req.block_ids)
-        req.block_ids, req.block_hashes, req.num_computed_tokens = [], [], 0
-
     def _enqueue(self, req: Request) -> None:
         keys = [r.sort_key for r in self.waiting]
         self.waiting.insert(bisect.bisect(keys, req.sort_key), req)
 
     def _finish(self, req: Request, reason: str) -> None:
-        self._release(req)
+        self.kv.free(req)
+        req.draft_token_ids = []
         req.status = Status.FINISHED
         req.finish_reason = reason
         self.requests.pop(req.request_id, None)

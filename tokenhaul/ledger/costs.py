@@ -128,54 +128,40 @@ def step_costs(mc: ModelCosts, chunks: list[tuple[int, int]], num_sampled: int,
                kv_copy_tokens: int = 0, block_size: int = 1, view_slots: int = 0) -> StepCosts:
     """chunks: (start position, tokens computed) per scheduled sequence, as the scheduler emitted them.
 
-    Mirrors runner.prepare and paged_attention: 1-token chunks form one decode group padded to its
-    longest block table, each longer chunk its own prefill group; attention gathers whole blocks
+    Mirrors runner.prepare and paged_attention: chunks of one query length form one group padded to
+    its longest block table (all decodes; all k+1-token verify chunks); attention gathers whole blocks
     of `block_size` slots, so keys are padded to a block boundary (and masked, but computed).
     `view_slots` of them (groups of one sequence with consecutive blocks) are read in place, not copied."""
     c = mc.config
-    T = num_decodes = decode_kv = decode_end_max = nb_max = 0
-    gathered = 0  # slots gathered per layer for K (and as many for V)
-    attn = 0  # Σ queries × keys computed
-    meta = mask_alias = 0
     window = c.sliding_window
+    groups: dict[int, list[int]] = {}  # query length → chunk ends (runner.prepare groups chunks so)
     for start, n in chunks:
-        T += n
-        end = start + n
-        nb = -(-end // block_size)
-        if n == 1:
-            num_decodes += 1
-            decode_kv += end
-            decode_end_max = max(decode_end_max, end)
-            nb_max = max(nb_max, nb)
-            continue
-        L = nb * block_size
-        gathered += L
-        attn += n * L
-        meta += nb * ID_BYTES + n * L * MASK_BYTES  # block table + causal mask (never all-visible)
-        if window is not None and end - 1 >= window:
-            meta += n * L * MASK_BYTES  # a separate sliding-window mask
-        else:
-            mask_alias += n * L * MASK_BYTES  # mask_local is the mask: moved twice to a device
+        groups.setdefault(n, []).append(start + n)
+    T = sum(n * len(ends) for n, ends in groups.items())
     if T == 0:
         return StepCosts()
-    pad = 0
-    if num_decodes:
-        L = nb_max * block_size
-        gathered += num_decodes * L
-        pad = num_decodes * L - decode_kv
-        attn += num_decodes * L
-        meta += num_decodes * nb_max * ID_BYTES
-        local = window is not None and decode_end_max - 1 >= window
-        if pad:  # some key is past its query: a mask
-            meta += num_decodes * L * MASK_BYTES
+    gathered = 0  # slots gathered per layer for K (and as many for V)
+    attn = 0  # Σ queries × keys computed
+    meta = mask_alias = pad = 0
+    for n, ends in groups.items():
+        B = len(ends)
+        nb = max(-(-e // block_size) for e in ends)
+        L = nb * block_size
+        gathered += B * L
+        attn += B * n * L
+        meta += B * nb * ID_BYTES  # block table, padded to the group's longest
+        if n == 1 or B > 1:
+            pad += B * L - sum(ends)  # keys past a sequence's end, computed and masked
+        local = window is not None and max(ends) - 1 >= window
+        mask = B * n * L * MASK_BYTES
+        if n > 1 or any(e != L for e in ends):  # some key is past its query: a causal mask
+            meta += mask
             if not local:
-                mask_alias += num_decodes * L * MASK_BYTES
-        if local:  # a separate sliding-window mask
-            meta += num_decodes * L * MASK_BYTES
-        if num_decodes < len(chunks):
-            meta += num_decodes * ID_BYTES  # token_index of the decode group
-    if len(chunks) > 1:
-        meta += (T - num_decodes) * ID_BYTES  # token_index of each prefill group
+                mask_alias += mask  # mask_local is the mask: moved twice to a device
+        if local:
+            meta += mask  # a separate sliding-window mask
+        if len(groups) > 1:
+            meta += B * n * ID_BYTES  # the group's token_index
     meta += 3 * T * ID_BYTES + num_sampled * ID_BYTES  # input ids, positions, slot mapping; sample rows
 
     kv_tok = mc.kv_bytes_per_token

@@ -21,7 +21,7 @@ from tokenhaul.ledger.costs import ModelCosts, StepCosts, step_costs
 if TYPE_CHECKING:  # the ledger is handed a roofline; it never imports whatif at run time
     from tokenhaul.whatif.roofline import Position, Roofline
 
-ENGINE_STAGES = ("schedule", "prepare", "forward", "sample", "update")
+ENGINE_STAGES = ("schedule", "prepare", "forward", "sample", "update", "propose")
 FRONT_STAGES = ("detokenize", "deliver")
 STAGES = ENGINE_STAGES + FRONT_STAGES
 
@@ -31,7 +31,7 @@ class StepEntry:
     record: StepRecord
     costs: StepCosts
     num_tokens: int  # tokens computed
-    is_prefill: bool  # any chunk longer than one token
+    is_prefill: bool  # any chunk of prompt tokens (a decode verifying drafts is not one)
     recomputed: int  # tokens computed before, lost to preemption, computed again
     gap_before: float  # seconds since the previous busy step ended (front end, loop, observer)
     seconds: float  # sum of the engine stages
@@ -73,6 +73,12 @@ class RequestSpan:
     prompt_tokens: int = 0
     cached_tokens: int = 0
     finish_reason: str | None = None
+    proposed: int = 0  # speculative draft tokens verified
+    accepted: int = 0  # of which kept
+
+    @property
+    def rejected(self) -> int:
+        return self.proposed - self.accepted
 
     @property
     def ttft(self) -> float | None:
@@ -111,6 +117,7 @@ class Ledger:
         self.gap_seconds = 0.0  # between busy steps, outside every engine stage
         self.num_steps = self.num_tokens = self.num_preemptions = 0
         self.recomputed_tokens = self.rejected_tokens = self.prompt_tokens = 0
+        self.proposed_tokens = self.accepted_tokens = 0  # speculative drafts verified / kept
         self.kv_blocks_peak = 0
         self._live: dict[str, RequestSpan] = {}
         self._closing: OrderedDict[str, RequestSpan] = OrderedDict()  # finished, last tokens in flight
@@ -122,10 +129,18 @@ class Ledger:
         pairs = []
         tokens = prompt = recomputed = 0
         prefill = False
+        drafts, rejected = {}, {}
+        for rid, proposed, accepted in record.speculation:
+            drafts[rid], rejected[rid] = proposed, proposed - accepted
+            span = live.get(rid)
+            if span is not None:
+                span.proposed += proposed
+                span.accepted += accepted
         for rid, start, n in record.chunks:
             pairs.append((start, n))
             tokens += n
-            prefill = prefill or n > 1
+            decode = n - drafts.get(rid, 0) == 1
+            prefill = prefill or not decode
             span = live.get(rid)
             if span is None:
                 span = live[rid] = RequestSpan(rid, record.t_start)
@@ -134,8 +149,9 @@ class Ledger:
                 r = min(end, span.computed) - start
                 recomputed += r
                 span.recomputed += r
-            elif not (n == 1 and span.sampled):
+            elif not (decode and span.sampled):
                 prompt += n  # prompt, not a decode step
+            end -= rejected.get(rid, 0)  # rejected drafts' positions are computed again, not recomputed
             if end > span.computed:
                 span.computed = end
         for rid in record.sampled:
@@ -144,7 +160,8 @@ class Ledger:
             span = live.get(rid)
             if span is not None:
                 span.preemptions += 1  # its KV is gone; recompute shows as positions below `computed`
-        costs = step_costs(self.costs, pairs, len(record.sampled), record.kv_copy_tokens,
+        logit_rows = len(set(record.sampled)) + sum(drafts.values())
+        costs = step_costs(self.costs, pairs, logit_rows, record.kv_copy_tokens,
                            record.kv_block_size, record.kv_view_slots)
         seconds = 0.0
         stages = self.stage_seconds
@@ -165,6 +182,9 @@ class Ledger:
         self.recomputed_tokens += recomputed
         self.prompt_tokens += prompt
         self.rejected_tokens += record.rejected_tokens
+        for _, proposed, accepted in record.speculation:
+            self.proposed_tokens += proposed
+            self.accepted_tokens += accepted
         self.kv_blocks_peak = max(self.kv_blocks_peak, record.kv_blocks_used)
         self.steps.append(StepEntry(record, costs, tokens, prefill, recomputed, gap, seconds))
         # a gap counts only while requests are in flight (idle time of a server is not coordination)
@@ -260,6 +280,8 @@ class Ledger:
             "preemptions": self.num_preemptions,
             "recomputed_tokens": self.recomputed_tokens,
             "rejected_tokens": self.rejected_tokens,
+            "proposed_tokens": self.proposed_tokens,
+            "accepted_tokens": self.accepted_tokens,
             "kv_blocks_peak": self.kv_blocks_peak,
             "calibration": {"bandwidth_gb_per_s": roof.bandwidth / 1e9, "gflop_per_s": roof.peak_flops / 1e9,
                             "key": roof.key},

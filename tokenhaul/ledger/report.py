@@ -19,7 +19,8 @@ if TYPE_CHECKING:
     from tokenhaul.whatif.roofline import Roofline
 
 COLORS = {"schedule": "#9e9e9e", "prepare": "#ffb74d", "forward": "#1976d2", "sample": "#7e57c2",
-          "update": "#bdbdbd", "detokenize": "#43a047", "deliver": "#a5d6a7", "between steps": "#e57373"}
+          "update": "#bdbdbd", "propose": "#f06292", "detokenize": "#43a047", "deliver": "#a5d6a7",
+          "between steps": "#e57373"}
 
 
 def text_report(ledger: Ledger, roof: Roofline | None = None) -> str:

@@ -57,8 +57,10 @@ class OutputProcessor:
             out.text += text
             out.delta_text = text
             if self.ledger is not None:  # detokenize: push/flush; deliver: the rest of this body
-                detok_s = t2 - t1
-                self.ledger.on_token(d.request_id, step, detok_s, time.perf_counter() - t0 - detok_s)
+                n = max(1, len(d.new_token_ids))  # verified drafts arrive together: one event per token
+                detok_s, deliver_s = (t2 - t1) / n, (time.perf_counter() - t0 - (t2 - t1)) / n
+                for _ in range(n):
+                    self.ledger.on_token(d.request_id, step, detok_s, deliver_s)
             updated.append(out)
             if out.finished:
                 self._drop(d.request_id)
