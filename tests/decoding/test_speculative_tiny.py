@@ -1,0 +1,96 @@
+"""Speculation on tiny random models: greedy output equals plain greedy whatever the strategy and the
+batch, drafts really get accepted, and every KV block comes back after rollbacks and aborts."""
+
+import pytest
+from drive import run_requests
+from tiny_models import tiny_model
+
+from tokenhaul.config import EngineConfig
+from tokenhaul.engine.core import EngineCore
+from tokenhaul.sampling_params import SamplingParams
+
+
+def prompts(n, seed=3):
+    import random
+
+    rng = random.Random(seed)
+    out = []
+    for i in range(n):
+        base = [rng.randrange(1, 97) for _ in range(6 + i % 4)]
+        out.append(base * 3 + base[:2])  # repeats: prompt lookup has something to find
+    return out
+
+
+def greedy(spec="off", k=4, max_tokens=24):
+    return SamplingParams(max_tokens=max_tokens, temperature=0, ignore_eos=True, speculative=spec,
+                          num_speculative_tokens=k)
+
+
+class SpecCounter:
+    def __init__(self):
+        self.proposed = self.accepted = self.rejected = 0
+
+    def on_step(self, record):
+        for _, p, a in record.speculation:
+            self.proposed += p
+            self.accepted += a
+        self.rejected += record.rejected_tokens
+
+    def on_finish(self, request):
+        pass
+
+
+def core_with(draft=False, **kw):
+    cfg = EngineConfig(model="tiny", dtype="fp32", **({"num_kv_blocks": 64, "block_size": 4} | kw))
+    return EngineCore(cfg, tiny_model(), draft_model=tiny_model(seed=1) if draft else None)
+
+
+@pytest.mark.parametrize("spec", ["prompt_lookup", "jacobi", "draft"])
+def test_greedy_equals_plain_alone_and_mixed(spec):
+    ps = prompts(6)
+    plain = run_requests(core_with(), ps, greedy())
+    core = core_with(draft=spec == "draft")
+    core.observer = counter = SpecCounter()
+    assert run_requests(core, ps, greedy(spec)) == plain
+    assert counter.proposed > 0 and counter.rejected == counter.proposed - counter.accepted
+    assert core.pool.num_used == 0  # every draft's blocks came back
+    mixed = core_with(draft=spec == "draft")
+    for i, p in enumerate(ps):
+        mixed.add_request(f"r{i}", p, greedy(spec if i % 2 else "off"))
+    out = {f"r{i}": [] for i in range(len(ps))}
+    while mixed.has_unfinished():
+        for d in mixed.step():
+            out[d.request_id] += d.new_token_ids
+    assert [out[f"r{i}"] for i in range(len(ps))] == plain
+    assert mixed.pool.num_used == 0
+
+
+def test_prompt_lookup_accepts_on_repetitive_input():
+    core = core_with()
+    core.observer = counter = SpecCounter()
+    base = [5, 17, 33, 2, 71, 40, 9, 61]
+    run_requests(core, [base * 6], greedy("prompt_lookup", max_tokens=32))
+    assert counter.accepted > 0
+
+
+def test_abort_mid_speculation_frees_every_block():
+    core = core_with(draft=True)
+    for i, p in enumerate(prompts(4)):
+        core.add_request(f"r{i}", p, greedy(["draft", "jacobi", "prompt_lookup", "off"][i], max_tokens=40))
+    for _ in range(4):
+        core.step()
+    assert core.pool.num_used > 0
+    for i in range(4):
+        core.abort(f"r{i}")
+    assert core.pool.num_used == 0 and core.pool.num_free == core.pool.num_blocks
+    assert not core.decoder._k
+
+
+@pytest.mark.parametrize("spec", ["prompt_lookup", "draft"])
+def test_preemption_with_drafts_keeps_output_and_frees_everything(spec):
+    ps = prompts(6)
+    plain = run_requests(core_with(num_kv_blocks=256), ps, greedy(max_tokens=20))
+    core = core_with(draft=spec == "draft", num_kv_blocks=24)
+    assert run_requests(core, ps, greedy(spec, max_tokens=20)) == plain
+    assert core.scheduler.num_preemptions > 0
+    assert core.pool.num_used == 0
