@@ -52,6 +52,28 @@ class ModelCosts:
                    layer_params, model.lm_head.in_features * model.lm_head.out_features,
                    kv_itemsize=kv_itemsize, device=embed.device.type)
 
+    @classmethod
+    def from_config(cls, c: ModelConfig, weight_bits: float = 16.0, kv_itemsize: float = 2.0,
+                    sparsity: float = 0.0, embed_itemsize: int = 2, lm_head_bits: float | None = None,
+                    activation_itemsize: int = 4, compute_itemsize: int = 4, device: str = "cpu") -> ModelCosts:
+        """Cost a model from its config alone (no weights loaded). `weight_bits`: stored bits per linear
+        weight, scales included (bf16 16, int8 per-channel ~8, int4 group-32 with bf16 scale+zero 5);
+        `kv_itemsize`: bytes per cached K/V value; `sparsity`: share of FFN neurons skipped per token
+        (their weight rows are neither read nor multiplied). Agrees with `from_model` for dense weights."""
+        if not 0.0 <= sparsity < 1.0:
+            raise ValueError(f"sparsity must be in [0, 1), got {sparsity}")
+        h, L = c.hidden_size, c.num_layers
+        attn = h * (c.q_size + 2 * c.kv_size) + c.q_size * h
+        ffn = 3 * h * c.ffn_size * (1.0 - sparsity)
+        bias = L * (c.q_size + 2 * c.kv_size) * 4 if c.qkv_bias else 0  # fp32 biases
+        layer_params = round(L * (attn + ffn))
+        norm = (2 * h + (2 * h + 2 * c.head_dim if c.arch == "gemma3" else 0)) * 4
+        head_bits = weight_bits if lm_head_bits is None else lm_head_bits
+        return cls(c, round(layer_params * weight_bits / 8) + bias, round(h * c.vocab_size * head_bits / 8),
+                   h * embed_itemsize, L * norm + h * 4, round(2 * L * c.kv_size * kv_itemsize), layer_params,
+                   h * c.vocab_size, activation_itemsize=activation_itemsize,
+                   kv_itemsize=kv_itemsize, compute_itemsize=compute_itemsize, device=device)
+
     @property
     def weight_bytes_per_step(self) -> int:
         """Weights a step reads from memory: all layers, lm_head, norms (embedding rows separate)."""

@@ -91,10 +91,12 @@ def _load(path: Path) -> dict:
         return {}
 
 
-def calibrate(device: str = "cpu", root: Path | None = None, **measure_kw) -> tuple[Roofline, dict]:
-    """Measure now and store the entry for this machine key (mutates the cache file)."""
-    key = machine_key(device)
-    entry = measure(device, **measure_kw)
+def load_entry(key: str, root: Path | None = None) -> dict | None:
+    return _load(calibration_path(root)).get(key)
+
+
+def store_entry(key: str, entry: dict, root: Path | None = None) -> None:
+    """Write one entry into the cache file (mutates it; atomic replace)."""
     path = calibration_path(root)
     table = _load(path)
     table[key] = entry
@@ -102,6 +104,13 @@ def calibrate(device: str = "cpu", root: Path | None = None, **measure_kw) -> tu
     tmp = path.with_suffix(f".{os.getpid()}.tmp")
     tmp.write_text(json.dumps(table, indent=1, sort_keys=True))
     tmp.replace(path)
+
+
+def calibrate(device: str = "cpu", root: Path | None = None, **measure_kw) -> tuple[Roofline, dict]:
+    """Measure now and store the entry for this machine key (mutates the cache file)."""
+    key = machine_key(device)
+    entry = measure(device, **measure_kw)
+    store_entry(key, entry, root)
     roof = _roofline(key, entry)
     _memo[f"{root}|{key}"] = roof
     return roof, entry
@@ -112,7 +121,7 @@ def machine_roofline(device: str = "cpu", root: Path | None = None) -> Roofline:
     key = machine_key(device)
     memo = f"{root}|{key}"
     if memo not in _memo:
-        entry = _load(calibration_path(root)).get(key)
+        entry = load_entry(key, root)
         _memo[memo] = _roofline(key, entry) if entry else calibrate(device, root)[0]
     return _memo[memo]
 

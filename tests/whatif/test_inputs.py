@@ -1,0 +1,105 @@
+"""What the model reads: costs from a config alone (agreeing with the loaded model), transformers
+config.json of a model not installed, the shipped hardware profiles, and the `whatif` command."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from tiny_models import tiny_model
+
+from tokenhaul.ledger.costs import ModelCosts
+from tokenhaul.whatif.hardware import THIS_MACHINE, load_hardware, profile_names
+from tokenhaul.whatif.modelspec import load_model_config
+
+LLAMA70 = Path(__file__).parent / "llama-3-70b-config.json"
+
+
+@pytest.mark.parametrize("arch", ["llama", "gemma3"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_from_config_agrees_with_from_model(arch, dtype):
+    model = tiny_model(arch, dtype)
+    size = dtype.itemsize
+    assert ModelCosts.from_config(model.config, 8 * size, size, embed_itemsize=size) == \
+        ModelCosts.from_model(model, size)
+
+
+def test_sparsity_and_kv_dtype_are_inputs():
+    cfg = tiny_model().config
+    dense, sparse = ModelCosts.from_config(cfg), ModelCosts.from_config(cfg, sparsity=0.5, kv_itemsize=1)
+    ffn = 3 * cfg.hidden_size * cfg.ffn_size * cfg.num_layers
+    assert dense.layer_params - sparse.layer_params == ffn // 2
+    assert sparse.kv_bytes_per_token * 2 == dense.kv_bytes_per_token
+    with pytest.raises(ValueError):
+        ModelCosts.from_config(cfg, sparsity=1.0)
+
+
+def test_llama3_70b_from_config_json():
+    name, cfg = load_model_config(str(LLAMA70))
+    mc = ModelCosts.from_config(cfg)
+    params = mc.layer_params + mc.lm_head_params + cfg.vocab_size * cfg.hidden_size
+    assert name == "meta-llama/Meta-Llama-3-70B" and cfg.num_kv_heads == 8 and not cfg.tie_embeddings
+    assert params == pytest.approx(70.55e9, rel=0.001)  # the published 70.6 B, less norms
+    assert mc.kv_bytes_per_token == 2 * 80 * 8 * 128 * 2
+
+
+@pytest.mark.real_model
+def test_from_config_agrees_with_real_model(smollm):
+    _, cfg = load_model_config("smollm2-135m")  # GGUF metadata only
+    assert ModelCosts.from_config(cfg, 32, 4, embed_itemsize=4) == smollm.costs
+
+
+def test_every_profile_loads_with_sources():
+    names = profile_names()
+    assert names[0] == THIS_MACHINE and {"a100", "h100", "h200", "groq-lpu", "wafer-scale", "mesh-3d-dram",
+                                          "hbm-pim"} <= set(names)
+    for n in names[1:]:
+        hw = load_hardware(n)
+        assert hw.tiers and hw.flops_for("bf16") > 0
+        text = Path(hw.source).read_text()
+        values = [ln for ln in text.splitlines() if "=" in ln and not ln.startswith(("#", "name", "description", "["))]
+        assert all("#" in ln for ln in values), [ln for ln in values if "#" not in ln]  # every value cites a source
+    assert load_hardware("hbm-pim").pim is not None
+
+
+def _cli(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "tokenhaul.cli", "whatif", *args], capture_output=True, text=True,
+                          timeout=120)
+
+
+def test_whatif_json_and_compare(tmp_path):
+    r = _cli("--model", str(LLAMA70), "--hardware", "h200", "--quantization", "int8", "--batch", "4",
+             "--context", "4096", "--json")
+    assert r.returncode == 0, r.stderr
+    out = json.loads(r.stdout)
+    for k in ("ttft_s", "tpot_s", "decode_tokens_per_s", "aggregate_tokens_per_s", "energy_j_per_token"):
+        assert out[k] is not None and out[k] > 0
+    assert out["bound"]["decode"].startswith("memory") and out["bound"]["prefill"] == "compute"
+    assert out["aggregate_tokens_per_s"] == pytest.approx(4 * out["decode_tokens_per_s"])
+    r = _cli("--model", str(LLAMA70), "--compare", "h100,groq-lpu,hbm-pim", "--quantization", "int8",
+             "--plots", str(tmp_path))
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.count("Is on-chip storage enough for the hot KV?") == 3 and "vs h100" in r.stdout
+    assert sorted(p.name for p in tmp_path.glob("*.png")) == ["batch.png", "context.png", "roofline.png"]
+
+
+def test_whatif_bad_input_is_one_line():
+    for args in (("--hardware", "nope"), ("--quantization", "int3"), ("--model", str(LLAMA70), "--hardware", "a100")):
+        r = _cli(*args)
+        assert r.returncode == 2 and r.stderr.startswith("error: ") and r.stderr.count("\n") == 1, r.stderr
+
+
+@pytest.mark.real_model
+def test_trace_steps_replay_through_the_model(tmp_path):
+    r = subprocess.run([sys.executable, "-m", "tokenhaul.cli", "trace", "--prompt", "Paging is", "--concurrency", "2",
+                        "--max-tokens", "4", "--out", str(tmp_path)], capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0, r.stderr
+    records = [json.loads(line) for line in (tmp_path / "steps.jsonl").read_text().splitlines()]
+    assert len(records) >= 4 and all(r["chunks"] and r["stage_seconds"] for r in records)
+    r = _cli("--model", "smollm2-135m", "--hardware", "h100", "--replay", str(tmp_path / "steps.jsonl"))
+    assert r.returncode == 0, r.stderr
+    assert "prefill: 1 steps" in r.stdout and "decode: 3 steps" in r.stdout

@@ -1,0 +1,98 @@
+"""The analytic model on hand-computed cases: a pure-bandwidth GEMV, a compute-bound GEMM, a model that
+spills SRAM, and PIM where attention never crosses the memory bus. One model, numbers worked out below:
+
+hidden 1024, 1 layer, 8 heads × 128 (no GQA), FFN 4096, vocab 1000, tied embeddings, bf16 weights.
+  layer params: attention 4 × 1024² = 4,194,304; FFN 3 × 1024 × 4096 = 12,582,912; sum 2^24 = 16,777,216
+  layer bytes 2^25 = 33,554,432; lm_head 1024 × 1000 × 2 = 2,048,000; norms (2 + 1) × 1024 × 4 = 12,288;
+  one embedding row 2,048; KV per token 2 × 1024 × 2 = 4,096 bytes."""
+
+from __future__ import annotations
+
+import pytest
+
+from tokenhaul.errors import TokenhaulError
+from tokenhaul.models.config import ModelConfig
+from tokenhaul.whatif.hardware import PIM, Hardware, Tier
+from tokenhaul.whatif.model import StepModel, place
+from tokenhaul.whatif.workload import Decoding, Workload, predict
+
+CFG = ModelConfig("llama", 1024, 1, 8, 8, 128, 4096, 1000, 8192, 1e-5, 1e4, True)
+LAYER, HEAD, NORMS, ROW, KV = 33_554_432, 2_048_000, 12_288, 2_048, 4_096
+HUGE = 1e30
+
+
+def hw(tiers, flops=HUGE, **kw) -> Hardware:
+    return Hardware("test", "test", tuple(tiers), {"bf16": flops, "attention": flops},
+                    activation_bandwidth=HUGE, **kw)
+
+
+def model(h: Hardware, kv_tokens: int = 16) -> StepModel:
+    w = Workload("t", CFG)
+    mc = w.costs()
+    assert (mc.layer_weight_bytes, mc.lm_head_bytes, mc.norm_bytes, mc.kv_bytes_per_token) == (LAYER, HEAD, NORMS, KV)
+    return StepModel(h, mc, "bf16", place(h, mc.weight_bytes_per_step, kv_tokens * KV))
+
+
+def test_pure_bandwidth_gemv():
+    """One decode token at position 0: every weight byte read once at 100 GB/s; K/V: one 16-slot block
+    read, one token written. FLOPs are free, so time = bytes / bandwidth exactly."""
+    st = model(hw([Tier("DRAM", 1e12, 100e9)])).step([(0, 1)], 1)
+    weights = LAYER + HEAD + NORMS + ROW  # 35,616,768
+    kv = 16 * KV + KV  # 69,632
+    assert st.bus_bytes == {"DRAM": weights + kv}
+    assert st.parts == {"memory:DRAM": pytest.approx((weights + kv) / 100e9), "memory:activations": pytest.approx(0),
+                        "overhead": 0.0}
+    assert st.seconds == pytest.approx(356.86400e-6) and st.bound == "memory:DRAM"
+
+
+def test_compute_bound_gemm():
+    """A 4096-token prefill at 1 TFLOP/s: linears 2 × 4096 × 2^24, lm_head 2 × 1024 × 1000 for the one
+    sampled row, attention 4 × 4096 × 4096 keys × 8 heads × 128; bytes (≈ 70 MB) take 70 µs at 1 TB/s."""
+    st = model(hw([Tier("HBM", 1e12, 1e12)], flops=1e12), kv_tokens=4096).step([(0, 4096)], 1)
+    flops = 2 * 4096 * 2**24 + 2 * 1024 * 1000 + 4 * 4096 * 4096 * 8 * 128
+    assert flops == 206_160_478_208 and st.flops == flops
+    assert st.parts["compute"] == pytest.approx(0.206160478208) and st.bound == "compute"
+    assert "memory:HBM" not in st.parts  # each op was compute-bound
+
+
+def test_model_that_spills_sram():
+    """20 MB of SRAM at 10 TB/s before 100 GB/s DRAM: 20 MB of the 35,614,720 resident weight bytes sit
+    in SRAM, the rest and all KV spill; the DRAM part binds. With 64 MB of SRAM everything fits."""
+    resident = LAYER + HEAD + NORMS
+    small = model(hw([Tier("SRAM", 20e6, 10e12), Tier("DRAM", 1e12, 100e9)]))
+    assert small.placement.weight_share == pytest.approx({"SRAM": 20e6 / resident, "DRAM": 1 - 20e6 / resident})
+    assert small.placement.kv_share == {"DRAM": 1.0}
+    st = small.step([(0, 1)], 1)
+    dram = (LAYER + NORMS + ROW) * (1 - 20e6 / resident) + HEAD * (1 - 20e6 / resident) + 17 * KV
+    assert st.parts["memory:DRAM"] == pytest.approx(dram / 100e9) and st.bound == "memory:DRAM"
+    big = model(hw([Tier("SRAM", 64e6, 10e12), Tier("DRAM", 1e12, 100e9)])).step([(0, 1)], 1)
+    assert big.bound == "memory:SRAM" and "memory:DRAM" not in big.parts
+    assert big.parts["memory:SRAM"] == pytest.approx((LAYER + HEAD + NORMS + ROW + 17 * KV) / 10e12)
+    with pytest.raises(TokenhaulError, match="do not fit"):
+        place(hw([Tier("SRAM", 20e6, 10e12)]), resident, 0)
+    assert place(Hardware("t", "t", (Tier("SRAM", 20e6, 10e12),), {"bf16": 1.0}, chips=0), resident, 0).chips == 2
+
+
+def test_pim_attention_never_crosses_the_bus():
+    """Decode attention in memory at 4 TB/s internal: its 4 × 1024 K/V reads (64 blocks of 16) plus the
+    write stay off the bus, which carries exactly the weights; a prefill's attention uses the bus."""
+    pim = PIM(("attention",), internal_bandwidth=4e12, flops=HUGE)
+    m = model(hw([Tier("HBM", 80e9, 1e12)], pim=pim), kv_tokens=4096)
+    st = m.step([(1023, 1)] * 4, 4)
+    kv = 4 * 1024 * KV + 4 * KV
+    assert st.bus_bytes == {"HBM": LAYER + NORMS + 4 * ROW + HEAD}
+    assert st.pim_bytes == kv and st.parts["pim"] == pytest.approx(kv / 4e12)
+    pre = m.step([(0, 64)], 1)
+    assert pre.pim_bytes == 0 and pre.bus_bytes["HBM"] > LAYER + HEAD
+
+
+def test_prediction_phases_follow_the_schedule():
+    w = Workload("t", CFG, batch=3, context=300, new_tokens=4, max_batched_tokens=512)
+    p = predict(w, hw([Tier("DRAM", 1e12, 100e9)]))
+    assert p.prefill.tokens + p.decode.tokens == 3 * 300 + 3 * 3  # the last token of each is never computed
+    assert p.prefill.sampled + p.decode.sampled == 3 * 4
+    assert p.decode.steps == 3 and p.ttft_s <= p.prefill.seconds + p.decode.seconds
+    assert p.tpot_s == pytest.approx(p.decode.seconds / 3)
+    dram = hw([Tier("DRAM", 1e12, 100e9)])
+    spec = predict(Workload("t", CFG, decoding=Decoding("speculative", 4, 0.8)), dram)  # 3.36 tokens per verify
+    assert spec.tpot_s < predict(Workload("t", CFG), dram).tpot_s / 3

@@ -1,0 +1,202 @@
+"""`this-machine`: the hardware profile of the machine we run on, filled by measurement.
+
+Each figure is measured with the engine's own kernels at the current thread count: read bandwidth,
+GEMV bandwidth and GEMM FLOP/s per weight format (the packed kernels actually used), the gathered-K/V
+copy and attention rates, elementwise traffic, and the engine's per-step / per-layer / per-group /
+per-token overheads (an EngineCore over random models of 2 and 10 layers, where kernels are negligible).
+Cached beside the roofline calibration, keyed by CPU model, threads and device."""
+
+from __future__ import annotations
+
+import os
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+
+from tokenhaul.whatif import calibrate as cal
+from tokenhaul.whatif.hardware import THIS_MACHINE, Hardware, from_dict
+
+FORMATS = ("bf16", "fp32")  # weight formats calibrated; packed formats join when the engine has them
+
+
+def _cache_bytes(level: int) -> float:
+    """Cache size from sysfs (per core for L2, shared L3), 0 when unknown."""
+    for idx in range(8):
+        base = Path(f"/sys/devices/system/cpu/cpu0/cache/index{idx}")
+        try:
+            if int((base / "level").read_text()) == level and (base / "type").read_text().strip() != "Instruction":
+                size = (base / "size").read_text().strip()
+                mult = {"K": 2**10, "M": 2**20, "G": 2**30}.get(size[-1], 1)
+                return float(size.rstrip("KMG")) * mult
+        except (OSError, ValueError):
+            continue
+    return 0.0
+
+
+def _ram_bytes() -> float:
+    try:
+        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    except (ValueError, OSError):
+        return 16e9
+
+
+def _best(fn, repeats: int) -> float:
+    fn()
+    best = float("inf")
+    for _ in range(repeats):
+        t = time.perf_counter()
+        fn()
+        best = min(best, time.perf_counter() - t)
+    return best
+
+
+def linear_rates(fmt: str, read_bw: float, repeats: int = 3) -> tuple[float, float]:
+    """(GEMV bandwidth as a share of read bandwidth, GEMM FLOP/s) of the engine's linear for `fmt`."""
+    from tokenhaul.config import DTYPES
+    from tokenhaul.layers.linear import make_linear
+
+    dtype = DTYPES[fmt]
+    n_mats = max(8, int(96e6 // (2048 * 1024 * dtype.itemsize)))  # ≫ L3: every GEMV reads from DRAM
+    lins = [make_linear(torch.randn(2048, 1024).to(dtype)) for _ in range(n_mats)]
+    nbytes = sum(lin.weight_bytes for lin in lins)
+    x1 = torch.randn(1, 1024)
+    gemv = _best(lambda: [lin(x1) for lin in lins], repeats)
+    xm = torch.randn(256, 1024)
+    few = lins[:4]
+    gemm = _best(lambda: [lin(xm) for lin in few], repeats)
+    return nbytes / gemv / read_bw, 2 * 256 * 1024 * 2048 * len(few) / gemm
+
+
+def attention_rates(read_bw: float, repeats: int = 3) -> tuple[float, float]:
+    """(gathered-K/V bytes/s, attention FLOP/s): a padded decode group and a prefill group through
+    layers.attention.paged_attention with bf16 caches, bytes counted by ledger/costs.step_costs."""
+    from tokenhaul.layers.attention import AttentionMetadata, AttnGroup, paged_attention
+    from tokenhaul.ledger.costs import ModelCosts, step_costs
+    from tokenhaul.models.config import ModelConfig
+
+    H, Hkv, D, bs, B, L = 9, 3, 64, 16, 8, 512
+    cfg = ModelConfig("llama", H * D, 1, H, Hkv, D, 1536, 1000, 8192, 1e-5, 1e4, True)
+    mc = ModelCosts.from_config(cfg, 16, 2)
+    nb = B * L // bs + 8
+    kc, vc = (torch.randn(nb, bs, Hkv, D).to(torch.bfloat16) for _ in range(2))
+    table = torch.randperm(nb)[: B * L // bs].view(B, L // bs)
+    slots = table[:, -1] * bs + bs - 1
+    q, k, v = torch.randn(B, H, D), torch.randn(B, Hkv, D), torch.randn(B, Hkv, D)
+    meta = AttentionMetadata(slots, slots, [AttnGroup(B, 1, None, table, None, None)], B)
+    t_dec = _best(lambda: paged_attention(q, k, v, kc, vc, meta, D**-0.5, False), repeats)
+    sc = step_costs(mc, [(L - 1, 1)] * B, 0, block_size=bs)
+    gather_bw = sc.kv_gather_bytes / max(t_dec - (sc.kv_read_bytes + sc.kv_write_bytes) / read_bw, t_dec / 4)
+    Q = 256
+    ptable = torch.arange(Q // bs)[None]
+    pos = torch.arange(Q)
+    mask = (pos[None, :] <= pos[:, None])[None, None]
+    pq, pk, pv = torch.randn(Q, H, D), torch.randn(Q, Hkv, D), torch.randn(Q, Hkv, D)
+    pmeta = AttentionMetadata(pos, pos, [AttnGroup(1, Q, None, ptable, mask, mask, 0)], Q)
+    t_pre = _best(lambda: paged_attention(pq, pk, pv, kc, vc, pmeta, D**-0.5, False), repeats)
+    pc = step_costs(mc, [(0, Q)], 0, block_size=bs, view_slots=Q)
+    attn_flops = pc.flops - 2 * Q * mc.layer_params
+    return gather_bw, attn_flops / max(t_pre - pc.kv_gather_bytes / gather_bw, t_pre / 4)
+
+
+def activation_bandwidth(repeats: int = 3) -> float:
+    """Bytes/s of a Llama layer's elementwise work (norms, rope, SiLU·up, residuals) over 256 tokens,
+    bytes counted as ledger/costs.py counts activation traffic."""
+    from tokenhaul.layers.norm import RMSNorm
+    from tokenhaul.layers.rope import RotaryEmbedding
+    from tokenhaul.ledger.costs import ModelCosts
+    from tokenhaul.models.config import ModelConfig
+
+    T, h, H, Hkv, D, f = 256, 576, 9, 3, 64, 1536
+    cfg = ModelConfig("llama", h, 1, H, Hkv, D, f, 1000, 8192, 1e-5, 1e4, True)
+    norm, rope = RMSNorm(torch.ones(h), 1e-5), RotaryEmbedding(D, 1024, 1e4, torch.device("cpu"))
+    hs, qkv, gu, pos = torch.randn(T, h), torch.randn(T, (H + 2 * Hkv) * D), torch.randn(T, 2 * f), torch.arange(T)
+
+    def layer():
+        x = norm(hs)
+        q, k, _ = qkv.split([H * D, Hkv * D, Hkv * D], dim=-1)
+        rope(q.reshape(T, H, D), pos)
+        rope(k.reshape(T, Hkv, D), pos)
+        y = hs + x
+        gate, up = gu.chunk(2, dim=-1)
+        return norm(y) + (F.silu(gate) * up)[:, :h]
+
+    nbytes = 2 * T * ModelCosts.from_config(cfg).activation_values_per_token * 4
+    return nbytes / _best(layer, repeats)
+
+
+def engine_overheads(steps: int = 12) -> dict[str, float]:
+    """Per-step, per-layer, per-group-per-layer and per-token seconds of the engine itself, fitted on
+    step times of random bf16 models of 2 and 10 layers (hidden 64: kernels are negligible). Best
+    times, like every figure here: on a shared machine the least-disturbed run is the reproducible one."""
+    from tokenhaul.config import EngineConfig
+    from tokenhaul.engine.core import EngineCore
+    from tokenhaul.models.config import ModelConfig
+    from tokenhaul.models.llama import LlamaModel
+    from tokenhaul.sampling_params import SamplingParams
+
+    rows, times = [], []
+    g = torch.Generator().manual_seed(0)
+    for layers in (2, 10):
+        cfg = ModelConfig("llama", 64, layers, 4, 2, 16, 96, 97, 1024, 1e-5, 1e4, True)
+        w = {"token_embd.weight": torch.randn(97, 64, generator=g), "output_norm.weight": torch.ones(64)}
+        for i in range(layers):
+            p = f"blk.{i}."
+            for name, shape in (("attn_q", (64, 64)), ("attn_k", (32, 64)), ("attn_v", (32, 64)),
+                                ("attn_output", (64, 64)), ("ffn_gate", (96, 64)), ("ffn_up", (96, 64)),
+                                ("ffn_down", (64, 96))):
+                w[p + name + ".weight"] = torch.randn(*shape, generator=g).to(torch.bfloat16)
+            w[p + "attn_norm.weight"] = w[p + "ffn_norm.weight"] = torch.ones(64)
+        model = LlamaModel(cfg, w, 1024)
+        core = EngineCore(EngineConfig(model="tiny", dtype="bf16", num_kv_blocks=512, block_size=16), model)
+        for batch, prompt in ((1, 4), (1, 8), (16, 8), (4, 48), (4, 48), (4, 48)):  # the first warms up
+            params = SamplingParams(max_tokens=steps + 1, temperature=0, ignore_eos=True)
+            for r in range(batch):
+                core.add_request(f"{len(times)}-{r}", [(r * 7 + j) % 90 + 1 for j in range(prompt)], params)
+            t = time.perf_counter()
+            core.step()  # the prefill: `batch` groups, batch * prompt tokens
+            pre = time.perf_counter() - t
+            dec = []
+            while core.has_unfinished():
+                t = time.perf_counter()
+                core.step()
+                dec.append(time.perf_counter() - t)
+            if prompt == 4:
+                continue
+            rows += [(1, layers, layers * batch, batch * prompt), (1, layers, layers, batch)]
+            times += [pre, min(dec)]
+    sol, *_ = np.linalg.lstsq(np.array(rows, dtype=float), np.array(times), rcond=None)
+    step_s, layer_s, group_s, token_s = (max(0.0, float(x)) for x in sol)
+    return {"step_s": step_s, "layer_s": layer_s, "group_s": group_s, "token_s": token_s}
+
+
+def measure_profile() -> dict:
+    """Measure every figure of this machine's profile (about half a minute on 2 cores)."""
+    t0 = time.perf_counter()
+    read_bw = cal.measure_bandwidth(nbytes=2**29)
+    flops, kernel_bw = {}, {}
+    for fmt in FORMATS:
+        kernel_bw[fmt], flops[fmt] = linear_rates(fmt, read_bw)
+    gather_bw, flops["attention"] = attention_rates(read_bw)
+    return {
+        "name": THIS_MACHINE, "description": f"{cal.machine_key()} (calibrated)", "chips": 1,
+        "paged_kernel": "gather", "flops": flops, "kernel_bandwidth": kernel_bw,
+        "gather_bandwidth": gather_bw, "activation_bandwidth": activation_bandwidth(),
+        "overhead": engine_overheads(),
+        "tier": [{"name": "L2", "capacity": _cache_bytes(2), "bandwidth": 0.0, "holds": False},
+                 {"name": "L3", "capacity": _cache_bytes(3), "bandwidth": 0.0, "holds": False},
+                 {"name": "DRAM", "capacity": _ram_bytes(), "bandwidth": read_bw}],
+        "measure_seconds": time.perf_counter() - t0,
+    }
+
+
+def this_machine(remeasure: bool = False, root: Path | None = None) -> Hardware:
+    """This machine's calibrated profile: from the cache file, else measured now (and stored)."""
+    key = cal.machine_key() + " | whatif-profile"
+    entry = None if remeasure else cal.load_entry(key, root)
+    if entry is None:
+        entry = measure_profile()
+        cal.store_entry(key, entry, root)
+    return from_dict(entry, THIS_MACHINE, str(cal.calibration_path(root)))
