@@ -46,6 +46,8 @@ class StepRecord:
     kv_block_size: int = 1  # attention gathers K/V in whole blocks of this many slots
     kv_view_slots: int = 0  # key slots per layer read in place (consecutive blocks), not gathered
     speculation: list[tuple[str, int, int]] = field(default_factory=list)  # (request id, proposed, accepted)
+    attn_groups: list[tuple[int, list[int]]] = field(default_factory=list)  # per attention call the runner made:
+    # (query length, KV length of each sequence) — costs are computed from these, not from a copy of its rules
 
 
 class StepObserver(Protocol):
@@ -167,7 +169,8 @@ class EngineCore:
                 self.pool.num_cached, len(sched.block_copies) * self.pool.block_size,
                 rejected_tokens=sum(v.proposed - v.accepted for v in verdicts), kv_block_size=self.pool.block_size,
                 kv_view_slots=inp.kv_view_slots,
-                speculation=[(v.request.request_id, v.proposed, v.accepted) for v in verdicts if v.proposed]))
+                speculation=[(v.request.request_id, v.proposed, v.accepted) for v in verdicts if v.proposed],
+                attn_groups=inp.attn_groups))
             for r in finished:
                 self.observer.on_finish(r)
         self.num_steps += 1

@@ -3,7 +3,7 @@ token ids, positions, slot mapping and per-group key slots and masks (see layers
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -20,6 +20,7 @@ class ModelInput:
     sample_rows: torch.Tensor  # [N] rows of the hidden states whose logits are sampled
     sample_chunks: list[ScheduledChunk]  # the chunks that sample, in row order (chunk.num_sampled rows each)
     kv_view_slots: int = 0  # key slots per layer read in place (consecutive blocks), not gathered
+    attn_groups: list[tuple[int, list[int]]] = field(default_factory=list)  # (query length, KV length per sequence)
 
 
 class ModelRunner:
@@ -47,6 +48,7 @@ class ModelRunner:
         slot_parts: list[torch.Tensor] = []
         sample_rows: list[int] = []
         sample_chunks: list[ScheduledChunk] = []
+        shapes: list[tuple[int, list[int]]] = []
         single = len(by_len) == 1
         bs = self.block_size
         row = 0
@@ -68,12 +70,13 @@ class ModelRunner:
             idx = None if single else torch.arange(row - n, row)
             first = self._consecutive(chunks[0].request.block_ids, table.shape[1]) if len(chunks) == 1 else None
             groups.append(AttnGroup(len(chunks), q_len, idx, table, mask, local, first))
+            shapes.append((q_len, [c.start + q_len for c in chunks]))
         view_slots = sum(g.block_table.shape[1] * bs for g in groups if g.block_start is not None)
         dev = self.device
         meta = AttentionMetadata(torch.tensor(pos, dtype=torch.long).to(dev), torch.cat(slot_parts).to(dev),
                                  [self._to(g) for g in groups], len(ids))
         return ModelInput(torch.tensor(ids, dtype=torch.long, device=dev), meta,
-                          torch.tensor(sample_rows, dtype=torch.long, device=dev), sample_chunks, view_slots)
+                          torch.tensor(sample_rows, dtype=torch.long, device=dev), sample_chunks, view_slots, shapes)
 
     @torch.inference_mode()
     def forward(self, inp: ModelInput) -> torch.Tensor:

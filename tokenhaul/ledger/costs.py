@@ -147,25 +147,30 @@ TIERS = (  # (StepCosts field, what moves where) in journey order, for reports
 
 
 def step_costs(mc: ModelCosts, chunks: list[tuple[int, int]], num_sampled: int,
-               kv_copy_tokens: int = 0, block_size: int = 1, view_slots: int = 0) -> StepCosts:
+               kv_copy_tokens: int = 0, block_size: int = 1, view_slots: int = 0,
+               attn_groups: list[tuple[int, list[int]]] | None = None) -> StepCosts:
     """chunks: (start position, tokens computed) per scheduled sequence, as the scheduler emitted them.
 
-    Mirrors runner.prepare and paged_attention: chunks of one query length form one group padded to
-    its longest block table (all decodes; all k+1-token verify chunks); attention gathers whole blocks
-    of `block_size` slots, so keys are padded to a block boundary (and masked, but computed).
-    `view_slots` of them (groups of one sequence with consecutive blocks) are read in place, not copied."""
+    `attn_groups`: the attention calls the runner made, (query length, KV length of each sequence), as
+    a StepRecord carries them. Without them (a step that never ran: the what-if model) they are derived
+    as runner.prepare groups: chunks of one query length form one group. Each group is padded to its
+    longest block table; attention gathers whole blocks of `block_size` slots, so keys are padded to a
+    block boundary (and masked, but computed). `view_slots` of them (groups of one sequence with
+    consecutive blocks) are read in place, not copied."""
     c = mc.config
     window = c.sliding_window
-    groups: dict[int, list[int]] = {}  # query length → chunk ends (runner.prepare groups chunks so)
-    for start, n in chunks:
-        groups.setdefault(n, []).append(start + n)
-    T = sum(n * len(ends) for n, ends in groups.items())
+    if attn_groups is None:
+        by_len: dict[int, list[int]] = {}  # query length → chunk ends
+        for start, n in chunks:
+            by_len.setdefault(n, []).append(start + n)
+        attn_groups = list(by_len.items())
+    T = sum(n * len(ends) for n, ends in attn_groups)
     if T == 0:
         return StepCosts()
     gathered = 0  # slots gathered per layer for K (and as many for V)
     attn = 0  # Σ queries × keys computed
     meta = mask_alias = pad = 0
-    for n, ends in groups.items():
+    for n, ends in attn_groups:
         B = len(ends)
         nb = max(-(-e // block_size) for e in ends)
         L = nb * block_size
@@ -182,7 +187,7 @@ def step_costs(mc: ModelCosts, chunks: list[tuple[int, int]], num_sampled: int,
                 mask_alias += mask  # mask_local is the mask: moved twice to a device
         if local:
             meta += mask  # a separate sliding-window mask
-        if len(groups) > 1:
+        if len(attn_groups) > 1:
             meta += B * n * ID_BYTES  # the group's token_index
     meta += 3 * T * ID_BYTES + num_sampled * ID_BYTES  # input ids, positions, slot mapping; sample rows
 

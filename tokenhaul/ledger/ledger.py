@@ -161,8 +161,8 @@ class Ledger:
             if span is not None:
                 span.preemptions += 1  # its KV is gone; recompute shows as positions below `computed`
         logit_rows = len(set(record.sampled)) + sum(drafts.values())
-        costs = step_costs(self.costs, pairs, logit_rows, record.kv_copy_tokens,
-                           record.kv_block_size, record.kv_view_slots)
+        costs = step_costs(self.costs, pairs, logit_rows, record.kv_copy_tokens, record.kv_block_size,
+                           record.kv_view_slots, record.attn_groups or None)
         seconds = 0.0
         stages = self.stage_seconds
         for k, v in record.stage_seconds.items():
