@@ -19,7 +19,7 @@ import torch.nn.functional as F
 from tokenhaul.whatif import calibrate as cal
 from tokenhaul.whatif.hardware import THIS_MACHINE, Hardware, from_dict
 
-FORMATS = ("bf16", "fp32")  # weight formats calibrated; packed formats join when the engine has them
+FORMATS = ("bf16", "fp32")  # dense formats; packed ones (int8, int4) join where layers/linear registers them
 
 
 def _cache_bytes(level: int) -> float:
@@ -53,14 +53,38 @@ def _best(fn, repeats: int) -> float:
     return best
 
 
+def make_linear(fmt: str, weight: torch.Tensor):
+    """The engine's linear for a weight format: dense bf16 / fp32, or a packed kernel (int8, int4) as
+    registered in layers/linear.py, with bf16 activations as the engine runs them."""
+    from tokenhaul.config import DTYPES
+    from tokenhaul.layers import linear
+
+    formats = getattr(linear, "FORMATS", None)
+    if formats is None:  # the registry predates packed formats: dense only
+        return linear.make_linear(weight.to(DTYPES[fmt]))
+    import tokenhaul.layers.quantization  # noqa: F401 - registers every format
+
+    dense = fmt in DTYPES
+    cls = formats["dense" if dense else fmt]
+    group = 32 if fmt == "int4" else None
+    return cls.build([weight], None, DTYPES[fmt] if dense else torch.bfloat16, torch.device("cpu"), group)
+
+
+def available_formats() -> tuple[str, ...]:
+    from tokenhaul.layers import linear
+
+    try:
+        import tokenhaul.layers.quantization  # noqa: F401 - registers the packed formats
+    except ImportError:
+        pass
+    return FORMATS + tuple(f for f in ("int8", "int4") if f in getattr(linear, "FORMATS", {}))
+
+
 def linear_rates(fmt: str, read_bw: float, repeats: int = 3) -> tuple[float, float]:
     """(GEMV bandwidth as a share of read bandwidth, GEMM FLOP/s) of the engine's linear for `fmt`."""
-    from tokenhaul.config import DTYPES
-    from tokenhaul.layers.linear import make_linear
-
-    dtype = DTYPES[fmt]
-    n_mats = max(8, int(96e6 // (2048 * 1024 * dtype.itemsize)))  # ≫ L3: every GEMV reads from DRAM
-    lins = [make_linear(torch.randn(2048, 1024).to(dtype)) for _ in range(n_mats)]
+    probe = make_linear(fmt, torch.randn(2048, 1024))
+    n_mats = max(8, int(96e6 // probe.weight_bytes))  # ≫ L3: every GEMV reads from DRAM
+    lins = [probe] + [make_linear(fmt, torch.randn(2048, 1024)) for _ in range(n_mats - 1)]
     nbytes = sum(lin.weight_bytes for lin in lins)
     x1 = torch.randn(1, 1024)
     gemv = _best(lambda: [lin(x1) for lin in lins], repeats)
@@ -177,7 +201,7 @@ def measure_profile() -> dict:
     t0 = time.perf_counter()
     read_bw = cal.measure_bandwidth(nbytes=2**29)
     flops, kernel_bw = {}, {}
-    for fmt in FORMATS:
+    for fmt in available_formats():
         kernel_bw[fmt], flops[fmt] = linear_rates(fmt, read_bw)
     gather_bw, flops["attention"] = attention_rates(read_bw)
     return {
