@@ -91,12 +91,17 @@ def questions(p: Prediction, base: Prediction | None = None) -> list[tuple[str, 
                 f"KV of the batch: {kv / 1e6:.4g} MB ({mc.kv_bytes_per_token / 1e3:.3g} kB/token); on-chip "
                 f"({', '.join(t.name for t in onchip) or 'none'}): {cap / 1e6:.4g} MB over {p.chips} chip(s) — "
                 f"{'enough' if kv <= cap else 'not enough'}; KV placed in {where}."))
-    bounds = {q.decode.time.bound for q in (p, long, wide, both) if q is not None}
-    kind = "structural" if len(bounds) == 1 else "local"
-    removed = ("attention's KV never crosses the memory bus (PIM)" if hw.pim else
-               f"the binding resource stays {p.decode.time.bound}")
-    out.append(("Is the advantage structural (a bottleneck removed) or local?",
-                f"{kind}: decode is bound by {', '.join(sorted(bounds))} across batch ×8 and context ×8; {removed}."))
+    modes = [(m, q.decode.time.bound) for m, q in (("this mode", p), ("context ×8", long), ("batch ×8", wide),
+                                                     ("both", both)) if q is not None]
+    moved = [f"{m}: {b}" for m, b in modes if b != p.decode.time.bound]
+    pim = " Attention's KV never crosses the memory bus (PIM)." if hw.pim else ""
+    if moved:
+        ans = (f"local: decode is {p.decode.time.bound}-bound here but the binding resource moves "
+               f"({'; '.join(moved)}), so the figure holds only near this mode.{pim}")
+    else:
+        ans = (f"structural: decode stays {p.decode.time.bound}-bound across batch ×8 and context ×8 (where it fits); "
+               f"an advantage there holds wherever this resource binds.{pim}")
+    out.append(("Is the advantage structural (a bottleneck removed) or local?", ans))
     peak = max(p.decode.time.parts.values(), default=0.0) / max(p.decode.steps, 1)
     steady = both or long or p
     e = p.energy_j_per_token
