@@ -55,13 +55,13 @@ def _free_port() -> int:
 
 
 @contextmanager
-def tokenhaul_server(model: str, threads: int, max_num_seqs: int, ctx: int):
-    """`tokenhaul serve` in a child process (its own threads and memory, like llama.cpp's)."""
+def tokenhaul_server(model: str, threads: int, max_num_seqs: int, ctx: int, extra: tuple[str, ...] = ()):
+    """`tokenhaul serve` in a child process (its own threads and memory, like llama.cpp's); extra: more flags."""
     port = _free_port()
     log = tempfile.NamedTemporaryFile("w+", prefix="tokenhaul-serve-", suffix=".log", delete=False)
     cmd = [sys.executable, "-m", "tokenhaul.cli", "serve", "--model", model, "--threads", str(threads),
            "--port", str(port), "--max-num-seqs", str(max_num_seqs), "--max-model-len", str(ctx),
-           "--log-level", "warning", "--max-waiting", "100000"]
+           "--log-level", "warning", "--max-waiting", "100000", *extra]
     proc = subprocess.Popen(cmd, cwd=ROOT, stdout=log, stderr=log, env=os.environ | {"PYTHONUNBUFFERED": "1"})
     url = f"http://127.0.0.1:{port}"
     try:
