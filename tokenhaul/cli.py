@@ -8,6 +8,7 @@ import json
 import sys
 import time
 
+from tokenhaul.config import DEFAULT_ITL_TARGET_MS
 from tokenhaul.errors import TokenhaulError
 from tokenhaul.models import catalog
 from tokenhaul.sampling_params import SamplingParams
@@ -26,11 +27,14 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-num-seqs", type=int, default=64)
     p.add_argument("--no-prefix-cache", action="store_false", dest="enable_prefix_caching")
     p.add_argument("--draft-model", default=None, help="draft model for --speculative draft (same vocabulary)")
+    p.add_argument("--itl-target-ms", type=float, default=DEFAULT_ITL_TARGET_MS,
+                   help="inter-token budget: prefill chunks are sized so a step's predicted time stays under it "
+                        "(measured on this machine once, then cached); 0 = off, chunks fill --max-num-batched-tokens")
 
 
 def engine_kwargs(args: argparse.Namespace) -> dict:
     keys = ("device", "dtype", "threads", "kv_memory_gib", "num_kv_blocks", "block_size", "max_model_len",
-            "max_num_batched_tokens", "max_num_seqs", "enable_prefix_caching", "draft_model")
+            "max_num_batched_tokens", "max_num_seqs", "enable_prefix_caching", "draft_model", "itl_target_ms")
     return {k: getattr(args, k) for k in keys}
 
 

@@ -8,6 +8,9 @@ import torch
 
 from tokenhaul.errors import TokenhaulError
 
+# The inter-token budget `tokenhaul serve` and the other commands use unless told (EngineConfig's own
+# default is off); chosen by measurement with bench/smooth.py (bench/RESULTS.md, "Smooth streams").
+DEFAULT_ITL_TARGET_MS = 100.0
 DTYPES = {"fp32": torch.float32, "float32": torch.float32, "bf16": torch.bfloat16, "bfloat16": torch.bfloat16}
 
 
@@ -26,6 +29,7 @@ class EngineConfig:
     threads: int | None = None
     draft_model: str | None = None  # alias or GGUF path of a draft model sharing the target's vocabulary
     speculative_max_batch: int = 8  # above this many running requests nothing is drafted (bench/decoding.py)
+    itl_target_ms: float = 0.0  # > 0: prefill chunks sized so each step's predicted time stays under it; 0 = off
 
     def __post_init__(self) -> None:
         if self.dtype not in DTYPES:
@@ -36,6 +40,8 @@ class EngineConfig:
             raise TokenhaulError("block_size, max_num_batched_tokens and max_num_seqs must be positive")
         if self.speculative_max_batch < 0:
             raise TokenhaulError("speculative_max_batch must be >= 0")
+        if not 0 <= self.itl_target_ms < float("inf"):
+            raise TokenhaulError(f"--itl-target-ms must be a finite number >= 0 (0 = off), got {self.itl_target_ms}")
 
     @property
     def torch_dtype(self) -> torch.dtype:

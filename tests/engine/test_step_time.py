@@ -35,7 +35,7 @@ def test_shape_counts_blocks_and_pads_decodes_to_the_longest():
     s.add(19, 1, True)  # keys 0..19 → 2 blocks = 32 slots
     s.add(40, 1, True)  # keys 0..40 → 3 blocks = 48 slots; the decode group is padded to 48
     s.add(0, 10, False)  # a prefill chunk: 10 queries × 16 slots
-    assert (s.tokens, s.sampled, s.decodes, s.decode_kv, s.chunks) == (12, 2, 2, 48, 1)
+    assert (s.tokens, s.sampled, s.groups) == (12, 2, {1: (2, 48), 10: (1, 16)})
     assert s.extra() == [2, 2, 2 * 48 + 10 * 16, 2 * 48 + 16]
     m = model()
     assert m.features(s)[:len(KNOTS)].tolist() == [0, 0, 0, 0.5, 0.5, 0, 0, 0, 0, 0]  # 12 = half-way 8 → 16

@@ -20,6 +20,8 @@ from tokenhaul.engine.messages import CoreLimits, CoreStats, RequestDelta
 from tokenhaul.engine.request import Request, Status
 from tokenhaul.engine.runner import ModelRunner
 from tokenhaul.engine.scheduler import Scheduler, SchedulerConfig
+from tokenhaul.engine.step_calibration import load_or_calibrate
+from tokenhaul.engine.step_time import StepTimeModel
 from tokenhaul.errors import CapacityError, RequestError
 from tokenhaul.kv.block_pool import BlockPool
 from tokenhaul.kv.cache import KVCache
@@ -48,6 +50,8 @@ class StepRecord:
     speculation: list[tuple[str, int, int]] = field(default_factory=list)  # (request id, proposed, accepted)
     attn_groups: list[tuple[int, list[int]]] = field(default_factory=list)  # per attention call the runner made:
     # (query length, KV length of each sequence) — costs are computed from these, not from a copy of its rules
+    budget_s: float = 0.0  # the inter-token budget the step was planned under (0: none)
+    predicted_s: float = 0.0  # the step-time model's prediction for prepare + forward + sample
 
 
 class StepObserver(Protocol):
@@ -74,7 +78,9 @@ def make_cache(config: EngineConfig, model: Model, num_blocks: int) -> KVCache:
 
 class EngineCore:
     def __init__(self, config: EngineConfig, model: Model, observer: StepObserver | None = None,
-                 draft_model: Model | None = None) -> None:
+                 draft_model: Model | None = None, step_time: StepTimeModel | None = None) -> None:
+        """step_time: the model that sizes chunks under config.itl_target_ms (default: this machine's
+        calibration, measured now if not cached)."""
         self.config = config
         self.model = model
         self.observer = observer
@@ -83,7 +89,8 @@ class EngineCore:
         self.pool = BlockPool(num_blocks, config.block_size)
         self.prefix_cache = PrefixCache(self.pool, config.enable_prefix_caching)
         max_len = min(config.max_model_len, model.config.max_position)
-        sched_cfg = SchedulerConfig(config.max_num_batched_tokens, config.max_num_seqs, max_len)
+        sched_cfg = SchedulerConfig(config.max_num_batched_tokens, config.max_num_seqs, max_len,
+                                    config.itl_target_ms / 1e3)
         self.scheduler = Scheduler(sched_cfg, KVManager(self.pool, self.prefix_cache))
         proposers = {name: cls() for name, cls in PROPOSERS.items()}
         mirrors: tuple[KVCache, ...] = ()
@@ -94,6 +101,8 @@ class EngineCore:
         self.runner = ModelRunner(model, self.kv, config.device, mirrors)
         self.decoder = Decoder(proposers, max_len, config.speculative_max_batch)
         self.num_steps = 0
+        if config.itl_target_ms > 0:
+            self.scheduler.step_time = step_time or load_or_calibrate(self)  # times the runner: built last
 
     @property
     def max_model_len(self) -> int:
@@ -150,6 +159,7 @@ class EngineCore:
         t3 = time.perf_counter()
         verdicts = self.decoder.verify(logits, inp.sample_chunks)
         t4 = time.perf_counter()
+        self.scheduler.observe(sched, t4 - t1)
         before = {v.request.request_id: len(v.request.output_token_ids) for v in verdicts}
         finished = self.scheduler.update(sched, {v.request.request_id: [s.token for s in v.samples]
                                                  for v in verdicts})
@@ -170,7 +180,7 @@ class EngineCore:
                 rejected_tokens=sum(v.proposed - v.accepted for v in verdicts), kv_block_size=self.pool.block_size,
                 kv_view_slots=inp.kv_view_slots,
                 speculation=[(v.request.request_id, v.proposed, v.accepted) for v in verdicts if v.proposed],
-                attn_groups=inp.attn_groups))
+                attn_groups=inp.attn_groups, budget_s=sched.budget_s, predicted_s=sched.predicted_s))
             for r in finished:
                 self.observer.on_finish(r)
         self.num_steps += 1

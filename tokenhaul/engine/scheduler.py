@@ -1,14 +1,21 @@
 """Scheduler: continuous batching in tokens. Each step, running requests get their next tokens
 (one per decode, a chunk per unfinished prefill), then waiting requests join under the token
 budget. When blocks run out, the youngest running request is preempted (recompute) and resumed
-later from the waiting queue. Token arithmetic only: KV goes through kv/manager.py; never imports a model."""
+later from the waiting queue. Token arithmetic only: KV goes through kv/manager.py; never imports a model.
+
+With an inter-token budget (`itl_target_s` and a step-time model) the step is stall-free in the manner
+of Sarathi-Serve: every running decode first, then prefill chunks in (priority, arrival) order, each
+as long as keeps the predicted step within the budget; the first prefill chunk of a step always gets
+`min_prefill_chunk` tokens, so a long prompt is never starved however many decodes run."""
 
 from __future__ import annotations
 
 import bisect
+import heapq
 from dataclasses import dataclass, field
 
 from tokenhaul.engine.request import Request, Status
+from tokenhaul.engine.step_time import StepShape, StepTimeModel
 from tokenhaul.errors import CapacityError, RequestError
 from tokenhaul.kv.manager import KVManager
 
@@ -18,6 +25,8 @@ class SchedulerConfig:
     max_num_batched_tokens: int = 512
     max_num_seqs: int = 64
     max_model_len: int = 8192
+    itl_target_s: float = 0.0  # > 0 (with a step-time model): prefill chunks keep the predicted step under it
+    min_prefill_chunk: int = 16  # tokens the first prefill chunk of a step gets however tight the budget
 
 
 @dataclass
@@ -42,6 +51,9 @@ class SchedulerOutput:
     chunks: list[ScheduledChunk] = field(default_factory=list)
     preempted: list[str] = field(default_factory=list)
     block_copies: list[tuple[int, int]] = field(default_factory=list)  # (src, dst) copy-on-write
+    shape: StepShape | None = None  # with an inter-token budget: what the step-time model was asked
+    budget_s: float = 0.0
+    predicted_s: float = 0.0
 
     @property
     def num_tokens(self) -> int:
@@ -49,9 +61,10 @@ class SchedulerOutput:
 
 
 class Scheduler:
-    def __init__(self, config: SchedulerConfig, kv: KVManager) -> None:
+    def __init__(self, config: SchedulerConfig, kv: KVManager, step_time: StepTimeModel | None = None) -> None:
         self.config = config
         self.kv = kv
+        self.step_time = step_time  # the scheduler's own estimate, refined by observe(), never by the ledger
         self.waiting: list[Request] = []  # sorted by (priority, arrival)
         self.running: list[Request] = []  # admission order: the last is the youngest
         self.requests: dict[str, Request] = {}
@@ -95,6 +108,8 @@ class Scheduler:
     def schedule(self) -> SchedulerOutput:
         """Running requests first (their next tokens and drafts), then waiting ones, under the token
         budget. Drafts that do not fit the budget are dropped, not split."""
+        if self.step_time is not None and self.config.itl_target_s > 0:
+            return self._schedule_within_budget()
         out = SchedulerOutput()
         budget = self.config.max_num_batched_tokens
         i = 0
@@ -125,6 +140,74 @@ class Scheduler:
             out.chunks.append(chunk(req, n))
             budget -= n
         return out
+
+    def _schedule_within_budget(self) -> SchedulerOutput:
+        """Every running decode (with its drafts if they fit the token cap), then prefill chunks, running
+        and waiting merged in (priority, arrival) order, sized by the step-time model to the budget."""
+        cfg, model = self.config, self.step_time
+        assert model is not None
+        out = SchedulerOutput(shape=StepShape(self.kv.block_size), budget_s=cfg.itl_target_s)
+        tokens = cfg.max_num_batched_tokens
+        for req in [r for r in self.running if r.num_computed_tokens >= r.num_tokens - 1]:
+            if tokens <= 0:
+                break
+            if req.status is not Status.RUNNING:
+                continue  # preempted for an older decode's blocks
+            if req.num_tokens_with_drafts - req.num_computed_tokens > tokens:
+                req.draft_token_ids = []
+            if not self._reserve(req, req.num_tokens_with_drafts - req.num_computed_tokens, out):
+                break  # req itself was preempted: every younger one already was
+            self._add(out, chunk(req, req.num_tokens_with_drafts - req.num_computed_tokens))
+            tokens -= out.chunks[-1].num_tokens
+        partial = sorted((r for r in self.running if r.num_computed_tokens < r.num_tokens - 1), key=_key)
+        admit = True
+        first = True
+        for req in heapq.merge(partial, list(self.waiting), key=_key):
+            if tokens <= 0:
+                break
+            waiting = req.status is Status.WAITING
+            if waiting and not (admit and not out.preempted and len(self.running) < cfg.max_num_seqs):
+                continue
+            if not waiting and req.status is not Status.RUNNING:
+                continue
+            start = self.kv.match(req) if waiting else req.num_computed_tokens
+            if waiting and req.num_preemptions == 0:
+                req.num_cached_tokens = start
+            remaining = req.num_tokens - start
+            n = model.max_chunk(out.shape, start, remaining, tokens, cfg.itl_target_s)
+            if first:
+                n = max(n, min(remaining, tokens, cfg.min_prefill_chunk))
+            if n == 0:
+                if waiting:
+                    self.kv.free(req)
+                break  # the budget is spent; no one behind may jump ahead
+            if waiting:
+                copies = self.kv.allocate_slots(req, n, req.num_lookahead)
+                if copies is None:
+                    self.kv.free(req)
+                    admit = False  # first come first served: no younger request is admitted past it
+                    continue
+                out.block_copies += copies
+                self.waiting.remove(req)
+                req.status = Status.RUNNING
+                self.running.append(req)
+            elif not self._reserve(req, n, out):
+                continue
+            self._add(out, chunk(req, n))
+            tokens -= n
+            first = False
+        out.predicted_s = model.predict(out.shape)
+        return out
+
+    def observe(self, out: SchedulerOutput, seconds: float) -> None:
+        """The core measured a step this scheduler planned: refine the step-time model (mutates it)."""
+        if self.step_time is not None and out.shape is not None:
+            self.step_time.observe(out.shape, seconds)
+
+    @staticmethod
+    def _add(out: SchedulerOutput, c: ScheduledChunk) -> None:
+        out.chunks.append(c)
+        out.shape.add(c.start, c.num_tokens, c.num_sampled)
 
     def update(self, out: SchedulerOutput, accepted: dict[str, list[int]]) -> list[Request]:
         """Advance each chunk's request by what was accepted: a chunk of n tokens ending in d drafts,
@@ -169,9 +252,11 @@ class Scheduler:
 
     def _reserve(self, req: Request, n: int, out: SchedulerOutput) -> bool:
         """Make slots for n more tokens (plus the request's lookahead) writable, preempting the
-        youngest running requests if needed. Returns False if req itself had to be preempted."""
+        youngest running requests not yet scheduled this step if needed. Returns False if req itself
+        had to be preempted."""
         while (copies := self.kv.allocate_slots(req, n, req.num_lookahead)) is None:
-            victim = self.running[-1]
+            scheduled = {id(c.request) for c in out.chunks}
+            victim = next(r for r in reversed(self.running) if r is req or id(r) not in scheduled)
             self._preempt(victim, out)
             if victim is req:
                 return False
@@ -198,3 +283,7 @@ class Scheduler:
         req.status = Status.FINISHED
         req.finish_reason = reason
         self.requests.pop(req.request_id, None)
+
+
+def _key(req: Request) -> tuple[int, int]:
+    return req.sort_key

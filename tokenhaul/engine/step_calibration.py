@@ -1,10 +1,11 @@
 """Calibrating the step-time model on this machine: time real batches through the core's own runner
-and sampler, fit `StepTimeModel`, cache the fit per machine | model | engine settings.
+and decoder, fit `StepTimeModel`, cache the fit per machine | model | engine settings.
 
 The batches are synthetic requests over blocks borrowed from the (still empty) KV pool and given
 back at the end; the grid spans decode batches of several sizes and key spans, prefill chunks of
 several lengths and offsets, and mixes of both, within the engine's own limits. Shapes are timed
-round-robin, median of `repeats`, so a burst of load from elsewhere hits all of them alike."""
+round-robin after one untimed pass, the fastest of `repeats` kept: load from elsewhere only ever adds
+time, and the online scale (step_time.py) follows it."""
 
 from __future__ import annotations
 
@@ -12,16 +13,14 @@ import dataclasses
 import json
 import os
 import platform
-import statistics
 import time
 from pathlib import Path
 from typing import TYPE_CHECKING
 
 import torch
 
-from tokenhaul.decoding.sampler import sample
 from tokenhaul.engine.request import Request
-from tokenhaul.engine.scheduler import ScheduledChunk, SchedulerOutput
+from tokenhaul.engine.scheduler import SchedulerOutput, chunk
 from tokenhaul.engine.step_time import StepShape, StepTimeModel, default_knots
 from tokenhaul.models.catalog import cache_root
 from tokenhaul.sampling_params import SamplingParams
@@ -56,12 +55,12 @@ def calibration_grid(max_tokens: int, max_seqs: int, max_len: int) -> list[list[
 def shape_of(chunks: list[Chunk], block_size: int) -> StepShape:
     s = StepShape(block_size)
     for start, n, samples in chunks:
-        s.add(start, n, samples)
+        s.add(start, n, int(samples))
     return s
 
 
 def time_batch(core: EngineCore, chunks: list[Chunk], block_ids: list[int]) -> float:
-    """Seconds for prepare → forward → sample of one synthetic batch (the span the core measures)."""
+    """Seconds for prepare → forward → verify of one synthetic batch (the span the core measures)."""
     bs = core.pool.block_size
     vocab = core.model.config.vocab_size
     sched = SchedulerOutput()
@@ -69,18 +68,19 @@ def time_batch(core: EngineCore, chunks: list[Chunk], block_ids: list[int]) -> f
         length = start + n + (0 if samples else 1)
         req = Request(f"calibrate-{i}", [(7 * t + i) % vocab for t in range(length)], _GREEDY)
         req.block_ids = block_ids[:-(-length // bs)]
-        sched.chunks.append(ScheduledChunk(req, start, n))
+        req.num_computed_tokens = start
+        sched.chunks.append(chunk(req, n))
     t = time.perf_counter()
     inp = core.runner.prepare(sched)
     logits = core.runner.forward(inp)
-    sample(logits, [c.request for c in inp.sample_chunks])
+    core.decoder.verify(logits, inp.sample_chunks)
     if logits.device.type == "cuda":
         torch.cuda.synchronize()
     return time.perf_counter() - t
 
 
-def measure(core: EngineCore, grid: list[list[Chunk]], repeats: int = 3) -> list[float]:
-    """Median seconds per batch of the grid, timed round-robin (one untimed warm-up pass first)."""
+def measure(core: EngineCore, grid: list[list[Chunk]], repeats: int = 2) -> list[float]:
+    """Fastest seconds per batch of the grid over `repeats` round-robin passes (after a warm-up pass)."""
     bs = core.pool.block_size
     longest = max(start + n + 1 for chunks in grid for start, n, _ in chunks)
     need = -(-longest // bs)
@@ -96,10 +96,10 @@ def measure(core: EngineCore, grid: list[list[Chunk]], repeats: int = 3) -> list
                     times[i].append(t)
     finally:
         core.pool.free(blocks)
-    return [statistics.median(t) for t in times]
+    return [min(t) for t in times]
 
 
-def calibrate(core: EngineCore, repeats: int = 3) -> StepTimeModel:
+def calibrate(core: EngineCore, repeats: int = 2) -> StepTimeModel:
     """Measure the grid for this core's limits and fit a model (takes seconds on a real model)."""
     sc = core.scheduler.config
     kv_len = (core.pool.num_free - 1) * core.pool.block_size

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import bisect
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 
@@ -25,41 +25,34 @@ EXTRA = ("sampled", "groups", "qk_pairs", "kv_slots")
 class StepShape:
     """The cost-relevant shape of one step, built chunk by chunk as the scheduler plans it.
 
-    The runner runs all 1-token chunks as one attention group padded to the longest key span and
-    each longer chunk as its own group; keys are read in whole blocks."""
+    The runner runs chunks of equal length as one attention group padded to the group's longest
+    key span (all decodes together, all k+1-token verify chunks together); keys are read in whole
+    blocks."""
 
     block_size: int
     tokens: int = 0
     sampled: int = 0
-    chunks: int = 0  # chunks longer than one token (one attention call each)
-    chunk_qk: int = 0  # query × key pairs of those chunks
-    chunk_kv: int = 0  # key slots read by those chunks
-    decodes: int = 0
-    decode_kv: int = 0  # the longest key span among the 1-token chunks
+    groups: dict[int, tuple[int, int]] = field(default_factory=dict)  # query length → (chunks, longest key span)
 
-    def add(self, start: int, num_tokens: int, samples: bool) -> None:
-        """Count a chunk computing positions [start, start + num_tokens); mutates self."""
+    def add(self, start: int, num_tokens: int, sampled: int) -> None:
+        """Count a chunk computing positions [start, start + num_tokens) and sampling `sampled` rows; mutates self."""
         kv = -(-(start + num_tokens) // self.block_size) * self.block_size
         self.tokens += num_tokens
-        self.sampled += samples
-        if num_tokens == 1:
-            self.decodes += 1
-            self.decode_kv = max(self.decode_kv, kv)
-        else:
-            self.chunks += 1
-            self.chunk_qk += num_tokens * kv
-            self.chunk_kv += kv
+        self.sampled += sampled
+        count, span = self.groups.get(num_tokens, (0, 0))
+        self.groups[num_tokens] = (count + 1, max(span, kv))
 
-    def with_chunk(self, start: int, num_tokens: int, samples: bool) -> StepShape:
+    def with_chunk(self, start: int, num_tokens: int, sampled: int) -> StepShape:
         """A copy with one more chunk (self unchanged)."""
-        s = StepShape(**vars(self))
-        s.add(start, num_tokens, samples)
+        s = StepShape(self.block_size, self.tokens, self.sampled, dict(self.groups))
+        s.add(start, num_tokens, sampled)
         return s
 
     def extra(self) -> list[float]:
         """The features beyond the token count, in EXTRA's order."""
-        d = self.decodes * self.decode_kv
-        return [self.sampled, self.chunks + (self.decodes > 0), self.chunk_qk + d, self.chunk_kv + d]
+        qk = sum(q * count * span for q, (count, span) in self.groups.items())
+        slots = sum(count * span for count, span in self.groups.values())
+        return [self.sampled, len(self.groups), qk, slots]
 
 
 def default_knots(max_tokens: int) -> list[int]:
@@ -115,7 +108,7 @@ class StepTimeModel:
         lo = 0
         while lo < hi:
             mid = (lo + hi + 1) // 2
-            if self.predict(shape.with_chunk(start, mid, samples_at_end and mid == remaining)) <= budget_s:
+            if self.predict(shape.with_chunk(start, mid, int(samples_at_end and mid == remaining))) <= budget_s:
                 lo = mid
             else:
                 hi = mid - 1
