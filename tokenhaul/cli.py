@@ -27,9 +27,10 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-num-seqs", type=int, default=64)
     p.add_argument("--no-prefix-cache", action="store_false", dest="enable_prefix_caching")
     p.add_argument("--draft-model", default=None, help="draft model for --speculative draft (same vocabulary)")
-    p.add_argument("--itl-target-ms", type=float, default=DEFAULT_ITL_TARGET_MS,
+    p.add_argument("--itl-target-ms", type=float, default=0.0,
                    help="inter-token budget: prefill chunks are sized so a step's predicted time stays under it "
-                        "(measured on this machine once, then cached); 0 = off, chunks fill --max-num-batched-tokens")
+                        "(step times measured on this machine once, then cached); 0 = off (default, except serve: "
+                        f"{DEFAULT_ITL_TARGET_MS:g}): chunks fill --max-num-batched-tokens")
 
 
 def engine_kwargs(args: argparse.Namespace) -> dict:
@@ -200,6 +201,7 @@ def build_parser() -> argparse.ArgumentParser:
     m.set_defaults(func=cmd_models)
     s = sub.add_parser("serve", help="OpenAI-compatible HTTP server (completions, chat, /metrics)")
     add_engine_args(s)
+    s.set_defaults(itl_target_ms=DEFAULT_ITL_TARGET_MS)  # streams are what serve is for
     s.add_argument("--host", default="127.0.0.1")
     s.add_argument("--port", type=int, default=8000)
     s.add_argument("--served-model-name", default=None, help="name clients send as `model` (default: --model)")

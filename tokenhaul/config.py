@@ -8,8 +8,8 @@ import torch
 
 from tokenhaul.errors import TokenhaulError
 
-# The inter-token budget `tokenhaul serve` and the other commands use unless told (EngineConfig's own
-# default is off); chosen by measurement with bench/smooth.py (bench/RESULTS.md, "Smooth streams").
+# The inter-token budget `tokenhaul serve` uses unless told (EngineConfig's own default is off: offline
+# batches want throughput); chosen by measurement with bench/smooth.py (bench/RESULTS.md, "Smooth streams").
 DEFAULT_ITL_TARGET_MS = 100.0
 DTYPES = {"fp32": torch.float32, "float32": torch.float32, "bf16": torch.bfloat16, "bfloat16": torch.bfloat16}
 

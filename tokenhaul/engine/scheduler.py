@@ -5,8 +5,9 @@ later from the waiting queue. Token arithmetic only: KV goes through kv/manager.
 
 With an inter-token budget (`itl_target_s` and a step-time model) the step is stall-free in the manner
 of Sarathi-Serve: every running decode first, then prefill chunks in (priority, arrival) order, each
-as long as keeps the predicted step within the budget; the first prefill chunk of a step always gets
-`min_prefill_chunk` tokens, so a long prompt is never starved however many decodes run."""
+as long as keeps the predicted step within the budget. Prompts are never starved however many
+decodes run: the budget is at least (1 + prefill_share) × the decodes' own predicted time, and the
+first prefill chunk of a step gets at least `min_prefill_chunk` tokens."""
 
 from __future__ import annotations
 
@@ -27,6 +28,7 @@ class SchedulerConfig:
     max_model_len: int = 8192
     itl_target_s: float = 0.0  # > 0 (with a step-time model): prefill chunks keep the predicted step under it
     min_prefill_chunk: int = 16  # tokens the first prefill chunk of a step gets however tight the budget
+    prefill_share: float = 0.5  # decodes alone over the target: prefill may still add this share of their time
 
 
 @dataclass
@@ -146,7 +148,7 @@ class Scheduler:
         and waiting merged in (priority, arrival) order, sized by the step-time model to the budget."""
         cfg, model = self.config, self.step_time
         assert model is not None
-        out = SchedulerOutput(shape=StepShape(self.kv.block_size), budget_s=cfg.itl_target_s)
+        out = SchedulerOutput(shape=StepShape(self.kv.block_size))
         tokens = cfg.max_num_batched_tokens
         for req in [r for r in self.running if r.num_computed_tokens >= r.num_tokens - 1]:
             if tokens <= 0:
@@ -159,6 +161,7 @@ class Scheduler:
                 break  # req itself was preempted: every younger one already was
             self._add(out, chunk(req, req.num_tokens_with_drafts - req.num_computed_tokens))
             tokens -= out.chunks[-1].num_tokens
+        out.budget_s = max(cfg.itl_target_s, (1 + cfg.prefill_share) * model.predict(out.shape))
         partial = sorted((r for r in self.running if r.num_computed_tokens < r.num_tokens - 1), key=_key)
         admit = True
         first = True
@@ -174,7 +177,7 @@ class Scheduler:
             if waiting and req.num_preemptions == 0:
                 req.num_cached_tokens = start
             remaining = req.num_tokens - start
-            n = model.max_chunk(out.shape, start, remaining, tokens, cfg.itl_target_s)
+            n = model.max_chunk(out.shape, start, remaining, tokens, out.budget_s)
             if first:
                 n = max(n, min(remaining, tokens, cfg.min_prefill_chunk))
             if n == 0:

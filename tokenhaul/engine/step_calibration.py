@@ -4,8 +4,8 @@ and decoder, fit `StepTimeModel`, cache the fit per machine | model | engine set
 The batches are synthetic requests over blocks borrowed from the (still empty) KV pool and given
 back at the end; the grid spans decode batches of several sizes and key spans, prefill chunks of
 several lengths and offsets, and mixes of both, within the engine's own limits. Shapes are timed
-round-robin after one untimed pass, the fastest of `repeats` kept: load from elsewhere only ever adds
-time, and the online scale (step_time.py) follows it."""
+round-robin and the fastest of `repeats` is kept (it also drops a shape's first-call costs): load
+from elsewhere only ever adds time, and the online scale (step_time.py) follows it."""
 
 from __future__ import annotations
 
@@ -38,12 +38,12 @@ def calibration_grid(max_tokens: int, max_seqs: int, max_len: int) -> list[list[
     """Batches to time: decode batches at every knot of the token count (short keys) and at a few
     long key spans, prefill chunks at every knot (at the start and half-way into the context), and
     decodes mixed with a chunk."""
-    span = max(8, min(max_len, 2048))
+    span = max(8, min(max_len, 1024))
     knots = default_knots(max_tokens)
     seqs = min(max_seqs, max_tokens)
     short, mid, long = max(2, span // 32), max(2, span // 4), max(2, span * 3 // 4)
     grid: list[list[Chunk]] = [[(short - 1, 1, True)] * d for d in knots if d <= seqs]
-    grid += [[(c - 1, 1, True)] * d for d in sorted({max(1, seqs // 8), max(1, seqs // 2)}) for c in (mid, long)]
+    grid += [[(c - 1, 1, True)] * d for d in sorted({max(1, seqs // 8), max(1, seqs // 4)}) for c in (mid, long)]
     grid += [[(0, n, False)] for n in knots if n >= 2]
     grid += [[(span // 2, n, True)] for n in sorted({max(2, max_tokens // 8), max_tokens}) if span // 2 + n <= span]
     d = max(1, seqs // 4)
@@ -80,7 +80,7 @@ def time_batch(core: EngineCore, chunks: list[Chunk], block_ids: list[int]) -> f
 
 
 def measure(core: EngineCore, grid: list[list[Chunk]], repeats: int = 2) -> list[float]:
-    """Fastest seconds per batch of the grid over `repeats` round-robin passes (after a warm-up pass)."""
+    """Fastest seconds per batch of the grid over `repeats` round-robin passes."""
     bs = core.pool.block_size
     longest = max(start + n + 1 for chunks in grid for start, n, _ in chunks)
     need = -(-longest // bs)
@@ -89,11 +89,9 @@ def measure(core: EngineCore, grid: list[list[Chunk]], repeats: int = 2) -> list
     blocks = core.pool.allocate(need)
     try:
         times: list[list[float]] = [[] for _ in grid]
-        for r in range(repeats + 1):
+        for _ in range(repeats):
             for i, chunks in enumerate(grid):
-                t = time_batch(core, chunks, blocks)
-                if r:
-                    times[i].append(t)
+                times[i].append(time_batch(core, chunks, blocks))
     finally:
         core.pool.free(blocks)
     return [min(t) for t in times]

@@ -1,7 +1,9 @@
 """Chrome / Perfetto trace JSON (trace event format) from a ledger's recent steps and tokens.
 
 Opens in ui.perfetto.dev or chrome://tracing: process "engine" has one track per stage, process
-"requests" one track per request, and counter tracks carry KV blocks and bytes per step."""
+"requests" one track per request, and counter tracks carry KV blocks and bytes per step, and, when
+the scheduler worked to an inter-token budget, the step's budget, predicted and measured time
+(prepare + forward + sample, the span the step-time model predicts)."""
 
 from __future__ import annotations
 
@@ -73,6 +75,11 @@ def trace_events(ledger: Ledger) -> list[dict]:
                    "args": {"weights": c.weight_bytes / 1e6, "kv": c.kv_bytes / 1e6,
                             "kv gather": c.kv_gather_bytes / 1e6, "activations": c.activation_bytes / 1e6,
                             "host↔device": (c.h2d_bytes + c.d2h_bytes) / 1e6}})
+        if r.budget_s:
+            measured = sum(r.stage_seconds.get(k, 0.0) for k in ("prepare", "forward", "sample"))
+            ev.append({"ph": "C", "pid": ENGINE, "name": "step time (ms)", "ts": ts,
+                       "args": {"budget": r.budget_s * 1e3, "predicted": r.predicted_s * 1e3,
+                                "measured": measured * 1e3}})
     for e in tokens:
         end = e.t
         start = end - e.deliver_s - e.detokenize_s
