@@ -7,6 +7,7 @@ told what each step did and how long each stage took; nothing here ever reads it
 from __future__ import annotations
 
 import time
+from collections.abc import Collection
 from dataclasses import dataclass, field
 from typing import Protocol
 
@@ -141,6 +142,22 @@ class EngineCore:
     def request_ids(self) -> list[str]:
         """Ids of the requests the core holds (waiting or running)."""
         return list(self.scheduler.requests)
+
+    def step_only(self, request_ids: Collection[str]) -> list[RequestDelta]:
+        """One step in which only these requests may be scheduled. The others are held out, keeping
+        their state and blocks, and return to their places afterwards (to find which request makes
+        a step fail, by stepping subsets of the batch)."""
+        s, keep = self.scheduler, set(request_ids)
+        running, waiting = s.running, s.waiting
+        order = {r.request_id: i for i, r in enumerate(running)}
+        s.running = [r for r in running if r.request_id in keep]
+        s.waiting = [r for r in waiting if r.request_id in keep]
+        try:
+            return self.step()
+        finally:
+            held = [r for r in running if r.request_id not in keep]
+            s.running = sorted(held + s.running, key=lambda r: order.get(r.request_id, len(order)))
+            s.waiting = sorted([r for r in waiting if r.request_id not in keep] + s.waiting, key=lambda r: r.sort_key)
 
     def step(self) -> list[RequestDelta]:
         """schedule → prepare → forward → verify (sample; keep accepted drafts) → update → propose."""
