@@ -179,8 +179,9 @@ def cmd_serve(args: argparse.Namespace) -> None:
     from tokenhaul.server.app import serve
     from tokenhaul.server.async_engine import AsyncEngine
 
-    engine = AsyncEngine.from_model(args.model, args.served_model_name, args.max_waiting, **engine_kwargs(args))
-    serve(engine, args.host, args.port, args.log_level, args.access_log)
+    engine = AsyncEngine.from_model(args.model, args.served_model_name, args.max_waiting,
+                                    request_timeout=args.request_timeout, **engine_kwargs(args))
+    serve(engine, args.host, args.port, args.log_level, args.access_log, args.shutdown_timeout)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -207,6 +208,10 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--served-model-name", default=None, help="name clients send as `model` (default: --model)")
     s.add_argument("--max-waiting", type=int, default=256,
                    help="requests without a first token yet; beyond this, 429 (retry later)")
+    s.add_argument("--request-timeout", type=float, default=None,
+                   help="seconds a request may generate; then it ends with finish_reason 'timeout' (default: no limit)")
+    s.add_argument("--shutdown-timeout", type=float, default=30.0,
+                   help="on SIGTERM/SIGINT: seconds to let requests in flight finish (new ones get 503), then exit 0")
     s.add_argument("--log-level", default="info")
     s.add_argument("--access-log", action="store_true")
     s.set_defaults(func=cmd_serve)

@@ -6,7 +6,7 @@ from collections.abc import Iterator
 
 import httpx
 import pytest
-from serverkit import MODEL, ScriptModel, ServerThread, script_engine
+from serverkit import MODEL, ScriptModel, ServerThread, free_port, script_engine
 
 from tokenhaul.config import EngineConfig
 from tokenhaul.engine.core import EngineCore
@@ -45,3 +45,8 @@ def real_server(smollm) -> Iterator[tuple[str, AsyncEngine]]:
 def client() -> Iterator[httpx.Client]:
     with httpx.Client(timeout=120.0) as c:
         yield c
+
+
+@pytest.fixture
+def unused_port() -> int:
+    return free_port()

@@ -73,6 +73,12 @@ class ServerThread:
         self.thread.join(30)
 
 
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
 def wait_idle(engine: AsyncEngine, timeout: float = 30.0) -> None:
     """Until the front end has no requests and the core's snapshot shows an empty batch."""
     deadline = time.monotonic() + timeout

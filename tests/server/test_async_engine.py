@@ -115,7 +115,7 @@ def test_core_failure_reaches_the_reader_and_server_survives(tokenizer):
         r = c.post(srv.url + "/v1/completions", json={"prompt": "Hi", "max_tokens": 10})
         assert r.status_code == 500
         assert r.json()["error"]["code"] == "engine_error"
-        assert "simulated kernel failure" in r.json()["error"]["message"]
+        assert "simulated kernel failure" not in r.json()["error"]["message"]  # internals go to the log
         with c.stream("POST", srv.url + "/v1/completions", json={"prompt": "Hi", "max_tokens": 5, "stream": True}) as s:
             lines = [ln for ln in s.iter_lines() if ln.startswith("data:")]
         assert lines[-1] == "data: [DONE]"
@@ -132,7 +132,7 @@ def test_engine_failed_is_raised_from_stream(tokenizer):
     async def main():
         await engine.start()
         try:
-            with pytest.raises(EngineFailed, match="boom"):
+            with pytest.raises(EngineFailed, match="internal error .* request t-0"):
                 async for _ in engine.generate("t", tokenizer.encode("Hi"), GREEDY):
                     pass
         finally:
@@ -164,5 +164,6 @@ def test_dead_core_thread_fails_requests_instead_of_hanging(tokenizer):
     with ServerThread(build_app(engine)) as srv, httpx.Client(timeout=30) as c:
         r = c.post(srv.url + "/v1/completions", json={"prompt": "Hi", "max_tokens": 5})
         assert r.status_code == 500 and "engine stopped" in r.json()["error"]["message"]
+        assert "simulated crash" not in r.text
         assert c.get(srv.url + "/health").status_code == 503
         assert c.post(srv.url + "/v1/completions", json={"prompt": "Hi"}).status_code == 503

@@ -1,8 +1,9 @@
 """`tokenhaul serve` as a process (step loop in the main thread, HTTP in a thread), driven by
-`tokenhaul bench serve`; SIGINT mid-stream ends the stream with an error event and the process."""
+`tokenhaul bench serve`; SIGTERM mid-stream drains: streams finish, new requests get 503, exit 0."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import signal
 import socket
@@ -45,15 +46,29 @@ def test_serve_and_bench_cli():
         assert bench.returncode == 0, bench.stderr
         s = json.loads(bench.stdout)
         assert s["completed"] == 4 and s["output_tokens"] == 16 and s["goodput"] > 0
-        with httpx.Client(timeout=60) as c, c.stream("POST", url + "/v1/completions", json={
-                "prompt": "Once upon a time", "max_tokens": 500, "ignore_eos": True, "stream": True}) as r:
-            lines = r.iter_lines()
-            assert next(line for line in lines if line.startswith("data: {"))
-            proc.send_signal(signal.SIGINT)
-            rest = [line for line in lines if line.startswith("data: ")]
-        assert rest[-1] == "data: [DONE]" and "engine stopped" in rest[-2]
-        assert proc.wait(30) == 0
+        drain_with_streams_in_flight(proc, url)
     finally:
         if proc.poll() is None:
             proc.kill()
             proc.wait()
+
+
+def drain_with_streams_in_flight(proc: subprocess.Popen, url: str) -> None:
+    """SIGTERM with three streams in flight: /health and new requests get 503, every stream runs to
+    its end ([DONE], finish_reason "length"), and the process exits with status 0."""
+    body = {"prompt": "Once upon a time", "max_tokens": 200, "ignore_eos": True, "stream": True}
+    with httpx.Client(timeout=120) as c, contextlib.ExitStack() as stack:
+        lines = []
+        for _ in range(3):
+            it = stack.enter_context(c.stream("POST", url + "/v1/completions", json=body)).iter_lines()
+            assert next(ln for ln in it if ln.startswith("data: {"))
+            lines.append(it)
+        proc.send_signal(signal.SIGTERM)
+        while c.get(url + "/health").status_code != 503:
+            time.sleep(0.02)
+        refused = c.post(url + "/v1/completions", json={"prompt": "Hi", "max_tokens": 2})
+        assert refused.status_code == 503 and refused.json()["error"]["code"] == "engine_unavailable"
+        for it in lines:
+            rest = [ln for ln in it if ln.startswith("data: ")]
+            assert rest[-1] == "data: [DONE]" and json.loads(rest[-2][6:])["choices"][0]["finish_reason"] == "length"
+    assert proc.wait(60) == 0, proc.stdout.read()

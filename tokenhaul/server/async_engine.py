@@ -28,7 +28,6 @@ from tokenhaul.text.output_processor import OutputProcessor
 from tokenhaul.text.tokenizer import Tokenizer
 
 log = logging.getLogger("tokenhaul.server")
-_THREAD_ENCODE_CHARS = 4096  # longer texts are tokenized off the event loop
 
 
 class PromptTooLong(RequestError):
@@ -139,6 +138,7 @@ class _Entry:
     index: int
     num_prompt_tokens: int
     arrival: float = field(default_factory=time.perf_counter)
+    deadline: asyncio.TimerHandle | None = None  # the generation deadline's timer, if any
     first_t: float | None = None
     last_t: float = 0.0
     num_seen: int = 0  # output tokens already handed to the stream
@@ -158,12 +158,16 @@ class AsyncEngine:
     """Front end: prompts in, RequestStreams out. Create, `await start()` on the serving event loop
     (it binds to that loop), `await shutdown()` at the end."""
 
-    def __init__(self, core: EngineCore, tokenizer: Tokenizer, model_name: str, max_waiting: int = 256) -> None:
+    def __init__(self, core: EngineCore, tokenizer: Tokenizer, model_name: str, max_waiting: int = 256,
+                 max_prompt_chars: int | None = None, request_timeout: float | None = None) -> None:
         self.tokenizer = tokenizer
         self.model_name = model_name
         self.max_waiting = max_waiting
+        self.request_timeout = request_timeout  # seconds from admission; then finish_reason "timeout"
         self.core_thread = CoreThread(core, self._from_core_thread)
         self.limits = self.core_thread.limits
+        # text longer than this is refused before tokenizing (a token rarely spans more than ~16 characters)
+        self.max_prompt_chars = max_prompt_chars or 32 * self.limits.max_model_len
         self.metrics = ServerMetrics(lambda: self.core_thread.stats)
         self.processor = OutputProcessor(tokenizer, _LastMileProbe(self.metrics))
         self.created = int(time.time())
@@ -172,22 +176,28 @@ class AsyncEngine:
         self._num_waiting = 0  # admitted requests without a first token yet
         self._loop: asyncio.AbstractEventLoop | None = None
         self._closing = False
+        self._draining = False
+        self._empty: asyncio.Event | None = None  # set while no request is unfinished
         self._ids = itertools.count()
 
     @classmethod
     def from_model(cls, model: str, served_model_name: str | None = None, max_waiting: int = 256,
+                   max_prompt_chars: int | None = None, request_timeout: float | None = None,
                    **engine_kwargs) -> AsyncEngine:
         """Load a catalog model (or GGUF path) exactly as LLM does, and take over its core."""
         from tokenhaul.llm import LLM
 
         llm = LLM(model, **engine_kwargs)
-        return cls(llm.core, llm.tokenizer, served_model_name or model, max_waiting)
+        return cls(llm.core, llm.tokenizer, served_model_name or model, max_waiting, max_prompt_chars,
+                   request_timeout)
 
     # lifecycle -----------------------------------------------------------------------------
     async def start(self, start_core: bool = True) -> None:
         """Bind to the running event loop; start the core's step loop in its own thread, unless the
         caller runs it (`core_thread.run()`) in a thread of its own choosing."""
         self._loop = asyncio.get_running_loop()
+        self._empty = asyncio.Event()
+        self._empty.set()
         if start_core:
             self.core_thread.start()
 
@@ -196,9 +206,26 @@ class AsyncEngine:
         self._fail_all(EngineUnavailable("the server is shutting down"))
         await asyncio.to_thread(self.core_thread.shutdown)
 
+    async def drain(self, timeout: float) -> bool:
+        """Stop admitting (new requests and /health get 503) and wait up to `timeout` seconds for the
+        unfinished requests to finish; those still running then fail. True if all finished."""
+        self._draining = True
+        assert self._empty is not None, "start() first"
+        try:
+            await asyncio.wait_for(self._empty.wait(), timeout)
+            return True
+        except TimeoutError:
+            self._fail_all(EngineUnavailable(f"the server is shutting down (not finished within {timeout:g} s)"))
+            return False
+
     @property
     def healthy(self) -> bool:
-        return self._loop is not None and self.core_thread.alive and not self._closing
+        return self._loop is not None and self.core_thread.alive and not (self._closing or self._draining)
+
+    @property
+    def loop(self) -> asyncio.AbstractEventLoop | None:
+        """The event loop the engine serves on (None before start())."""
+        return self._loop
 
     @property
     def num_waiting(self) -> int:
@@ -209,14 +236,27 @@ class AsyncEngine:
         return len(self._entries)
 
     # prompts -------------------------------------------------------------------------------
+    def check_chars(self, num_chars: int) -> None:
+        """Refuse prompt text too long for the context before spending time to tokenize it."""
+        if num_chars > self.max_prompt_chars:
+            raise PromptTooLong(f"prompt has {num_chars} characters; at most {self.max_prompt_chars} are tokenized "
+                                f"(the model's context holds {self.limits.max_model_len} tokens)")
+
     async def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
-        if len(text) > _THREAD_ENCODE_CHARS:
-            return await asyncio.to_thread(self.tokenizer.encode, text, add_special_tokens)
-        return self.tokenizer.encode(text, add_special_tokens)
+        """Tokenize off the event loop (a long text must not stall other requests)."""
+        self.check_chars(len(text))
+        return await asyncio.to_thread(self.tokenizer.encode, text, add_special_tokens)
 
     async def encode_chat(self, messages: list[dict]) -> list[int]:
-        """Render the model's chat template (with the generation prompt) and tokenize it."""
-        return await self.encode(self.tokenizer.apply_chat_template(messages), add_special_tokens=False)
+        """Render the model's chat template (with the generation prompt) and tokenize it, off the event loop."""
+        self.check_chars(sum(len(m.get("content") or "") for m in messages))
+
+        def render() -> list[int]:
+            text = self.tokenizer.apply_chat_template(messages)
+            self.check_chars(len(text) // 2)  # the template adds markup, never this much
+            return self.tokenizer.encode(text, add_special_tokens=False)
+
+        return await asyncio.to_thread(render)
 
     def check_token_ids(self, ids: list[int]) -> None:
         """Client-given token ids must index the model's vocabulary."""
@@ -245,7 +285,8 @@ class AsyncEngine:
         """Admit len(prompts) engine requests as one stream (choice i = prompts[i], params[i]).
         Raises RequestError (bad prompt), EngineOverloaded or EngineUnavailable; admits all or none."""
         if not self.healthy:
-            raise EngineUnavailable("the engine is not running" + (" (shutting down)" if self._closing else ""))
+            stopping = self._closing or self._draining
+            raise EngineUnavailable("the server is shutting down" if stopping else "the engine is not running")
         for ids, p in zip(prompts, params, strict=True):
             self.check_prompt(ids, p)
         if self._num_waiting + len(prompts) > self.max_waiting:
@@ -253,8 +294,12 @@ class AsyncEngine:
                                    f"token (limit {self.max_waiting}); retry later")
         ids = [f"{prefix}-{next(self._ids)}" for _ in prompts]
         stream = RequestStream(self, ids)
+        assert self._loop is not None and self._empty is not None
+        self._empty.clear()
         for i, (rid, prompt, p) in enumerate(zip(ids, prompts, params)):
-            self._entries[rid] = _Entry(stream, i, len(prompt))
+            e = self._entries[rid] = _Entry(stream, i, len(prompt))
+            if self.request_timeout is not None:
+                e.deadline = self._loop.call_later(self.request_timeout, self._expire, rid)
             self._num_waiting += 1
             self.processor.add(rid, prompt, p)
             self.metrics.prompt_tokens.inc(len(prompt))
@@ -278,6 +323,7 @@ class AsyncEngine:
         e = self._entries.pop(request_id, None)
         if e is None:
             return None
+        self._ended(e)
         if e.first_t is None:
             self._num_waiting -= 1
         self.processor.abort(request_id)
@@ -320,7 +366,7 @@ class AsyncEngine:
             e.stream._put(e.index, GenerationDelta(o.delta_text, new_ids, lps, e.num_prompt_tokens, e.num_seen,
                                                    o.finished, o.finish_reason, o.stop_reason))
             if o.finished:
-                del self._entries[o.request_id]
+                self._ended(self._entries.pop(o.request_id))
                 self.processor.release(o.request_id)
                 m.e2e.observe(now - e.arrival)
                 m.requests.labels(o.finish_reason or "stop").inc()
@@ -329,6 +375,18 @@ class AsyncEngine:
             self._fail(rid, EngineFailed(reason))
         if out.dead is not None:
             self._fail_all(EngineFailed(out.dead))
+
+    def _ended(self, e: _Entry) -> None:
+        if e.deadline is not None:
+            e.deadline.cancel()
+        if not self._entries and self._empty is not None:
+            self._empty.set()
+
+    def _expire(self, request_id: str) -> None:
+        """The generation deadline passed: finish the request with what it has (finish_reason "timeout")."""
+        e = self._forget(request_id, "timeout")
+        if e is not None:
+            e.stream._put(e.index, GenerationDelta("", [], None, e.num_prompt_tokens, e.num_seen, True, "timeout"))
 
     def _fail(self, request_id: str, error: Exception) -> None:
         """End a request with an error its reader will raise; aborts it in the core too."""

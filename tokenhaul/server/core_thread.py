@@ -17,7 +17,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from tokenhaul.engine.core import EngineCore, RequestDelta
-from tokenhaul.errors import TokenhaulError
+from tokenhaul.errors import CapacityError, TokenhaulError
 from tokenhaul.sampling_params import SamplingParams
 
 log = logging.getLogger("tokenhaul.server")
@@ -128,20 +128,58 @@ class CoreThread:
                     t0 = time.perf_counter()
                     try:
                         out.deltas = self.core.step()
-                    except Exception as e:  # a broken step must not take the server down
-                        log.error("engine step failed:\n%s", traceback.format_exc())
-                        out.failed += self._fail_all(f"engine error: {type(e).__name__}: {e}")
+                    except Exception:  # a broken step must not take the server, or the batch, down
+                        log.error("engine step failed; isolating the request that causes it:\n%s",
+                                  traceback.format_exc())
+                        self._publish(out)
+                        out = CoreOutputs(self.core.num_steps)
+                        self._isolate(self.core.unfinished_ids(), out.failed)
                     self._step_seconds += time.perf_counter() - t0
-                self.stats = self._stats(self._step_seconds)
-                if out.deltas or out.failed:
-                    self._on_outputs(out)
+                self._publish(out)
         except BaseException as e:
             self.error = e
+            self._running = False  # before the news goes out: whoever hears it must see a dead loop
             if not isinstance(e, KeyboardInterrupt):
                 log.critical("core loop died:\n%s", traceback.format_exc())
-            self._on_outputs(CoreOutputs(self.core.num_steps, dead=f"engine stopped: {type(e).__name__}: {e}"))
+            self._on_outputs(CoreOutputs(self.core.num_steps, dead="the engine stopped unexpectedly; the server "
+                                                                    "log has the details"))
         finally:
             self._running = False
+
+    def _publish(self, out: CoreOutputs) -> None:
+        self.stats = self._stats(self._step_seconds)
+        if out.deltas or out.failed:
+            self._on_outputs(out)
+
+    def _isolate(self, suspects: list[str], failed: list[tuple[str, str]]) -> None:
+        """A step over `suspects` (and maybe others) just failed: step each half alone, recursing
+        into a half that fails too. A request is failed only when a step of its own failed; the
+        rest keep going (each successful half-step is a real step, published as it comes)."""
+        if len(suspects) == 1:
+            rid = suspects[0]
+            log.error("request %s fails the engine step on its own; it is failed, the batch goes on", rid)
+            try:
+                self.core.abort(rid, "error")
+            except Exception:  # state left half-updated by the failed step
+                log.error("abort of %s after a failed step:\n%s", rid, traceback.format_exc())
+            failed.append((rid, _failed_message(rid)))
+            return
+        mid = len(suspects) // 2
+        for part in (suspects[:mid], suspects[mid:]):
+            unfinished = self.core.unfinished_ids()
+            part = [rid for rid in part if rid in unfinished]
+            if not part:
+                continue
+            t = self.core.num_steps
+            try:
+                deltas = self.core.step_only(part)
+            except Exception as e:
+                if isinstance(e, CapacityError) and len(part) < len(unfinished):
+                    continue  # inconclusive: the held-out requests hold the blocks this part needs
+                log.error("a step of %d suspects failed:\n%s", len(part), traceback.format_exc())
+                self._isolate(part, failed)
+                continue
+            self._publish(CoreOutputs(t, deltas))
 
     def _drain(self, block: bool) -> list[AddRequest | AbortRequest | None]:
         msgs = []
@@ -163,17 +201,13 @@ class CoreThread:
         except TokenhaulError as e:
             out.failed.append((m.request_id, str(e)))
 
-    def _fail_all(self, reason: str) -> list[tuple[str, str]]:
-        ids = list(self.core.scheduler.requests)
-        for rid in ids:
-            try:
-                self.core.abort(rid, "error")
-            except Exception:  # state left half-updated by the failed step
-                log.error("abort of %s after a failed step:\n%s", rid, traceback.format_exc())
-        return [(rid, reason) for rid in ids]
-
     def _stats(self, step_seconds: float) -> CoreStats:
         c = self.core
         return CoreStats(len(c.scheduler.running), len(c.scheduler.waiting), c.pool.num_used,
                          c.pool.num_cached, c.pool.num_blocks, c.prefix_cache.hit_tokens,
                          c.prefix_cache.query_tokens, c.scheduler.num_preemptions, c.num_steps, step_seconds)
+
+
+def _failed_message(request_id: str) -> str:
+    """What a client learns of an internal failure: no internals, an id to find it in the log."""
+    return f"internal error in the engine while serving request {request_id}; the server log has the details"
