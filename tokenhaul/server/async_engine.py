@@ -19,10 +19,11 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 
 from tokenhaul.engine.core import EngineCore
+from tokenhaul.engine.messages import AddRequest, CoreOutputs
 from tokenhaul.errors import CapacityError, RequestError, TokenhaulError
 from tokenhaul.outputs import TokenLogprob
 from tokenhaul.sampling_params import SamplingParams
-from tokenhaul.server.core_thread import AddRequest, CoreOutputs, CoreThread
+from tokenhaul.server.core_thread import CoreThread
 from tokenhaul.server.metrics import ServerMetrics
 from tokenhaul.text.output_processor import OutputProcessor
 from tokenhaul.text.tokenizer import Tokenizer

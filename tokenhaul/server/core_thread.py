@@ -8,67 +8,19 @@ so the thread could become a process without changing either side."""
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import logging
 import queue
 import threading
 import time
 import traceback
 from collections.abc import Callable
-from dataclasses import dataclass, field
 
-from tokenhaul.engine.core import EngineCore, RequestDelta
+from tokenhaul.engine.core import EngineCore
+from tokenhaul.engine.messages import AbortRequest, AddRequest, CoreOutputs
 from tokenhaul.errors import CapacityError, TokenhaulError
-from tokenhaul.sampling_params import SamplingParams
 
 log = logging.getLogger("tokenhaul.server")
-
-
-@dataclass(frozen=True)
-class AddRequest:
-    request_id: str
-    prompt_token_ids: list[int]
-    params: SamplingParams
-    eos_token_ids: tuple[int, ...] = ()
-
-
-@dataclass(frozen=True)
-class AbortRequest:
-    request_id: str
-    reason: str = "abort"
-
-
-@dataclass(frozen=True)
-class CoreLimits:
-    """Static facts of the core, read once before the thread starts (safe to read anywhere)."""
-
-    max_model_len: int
-    block_size: int
-    num_blocks: int
-    vocab_size: int
-
-
-@dataclass(frozen=True)
-class CoreStats:
-    """A snapshot published by the core thread after every loop turn (replaced, never mutated)."""
-
-    num_running: int = 0
-    num_waiting: int = 0
-    kv_blocks_used: int = 0
-    kv_blocks_cached: int = 0
-    kv_blocks_total: int = 0
-    prefix_hit_tokens: int = 0
-    prefix_query_tokens: int = 0
-    num_preemptions: int = 0
-    num_steps: int = 0
-    step_seconds: float = 0.0  # total time spent inside core.step()
-
-
-@dataclass
-class CoreOutputs:
-    step: int
-    deltas: list[RequestDelta] = field(default_factory=list)
-    failed: list[tuple[str, str]] = field(default_factory=list)  # (request id, one-line reason)
-    dead: str | None = None  # the loop itself died: every request it was given is lost
 
 
 class CoreThread:
@@ -78,9 +30,8 @@ class CoreThread:
 
     def __init__(self, core: EngineCore, on_outputs: Callable[[CoreOutputs], None]) -> None:
         self.core = core
-        self.limits = CoreLimits(core.max_model_len, core.pool.block_size, core.pool.num_blocks,
-                                 core.model.config.vocab_size)
-        self.stats = self._stats(0.0)
+        self.limits = core.limits()  # fixed: safe to read from any thread
+        self.stats = core.stats()  # a snapshot replaced after every loop turn, never mutated
         self._on_outputs = on_outputs
         self._inbox: queue.SimpleQueue[AddRequest | AbortRequest | None] = queue.SimpleQueue()
         self._thread = threading.Thread(target=self.run, name="tokenhaul-core", daemon=True)
@@ -133,7 +84,7 @@ class CoreThread:
                                   traceback.format_exc())
                         self._publish(out)
                         out = CoreOutputs(self.core.num_steps)
-                        self._isolate(self.core.unfinished_ids(), out.failed)
+                        self._isolate(self.core.request_ids(), out.failed)
                     self._step_seconds += time.perf_counter() - t0
                 self._publish(out)
         except BaseException as e:
@@ -147,7 +98,7 @@ class CoreThread:
             self._running = False
 
     def _publish(self, out: CoreOutputs) -> None:
-        self.stats = self._stats(self._step_seconds)
+        self.stats = dataclasses.replace(self.core.stats(), step_seconds=self._step_seconds)
         if out.deltas or out.failed:
             self._on_outputs(out)
 
@@ -166,7 +117,7 @@ class CoreThread:
             return
         mid = len(suspects) // 2
         for part in (suspects[:mid], suspects[mid:]):
-            unfinished = self.core.unfinished_ids()
+            unfinished = self.core.request_ids()
             part = [rid for rid in part if rid in unfinished]
             if not part:
                 continue
@@ -201,11 +152,6 @@ class CoreThread:
         except TokenhaulError as e:
             out.failed.append((m.request_id, str(e)))
 
-    def _stats(self, step_seconds: float) -> CoreStats:
-        c = self.core
-        return CoreStats(len(c.scheduler.running), len(c.scheduler.waiting), c.pool.num_used,
-                         c.pool.num_cached, c.pool.num_blocks, c.prefix_cache.hit_tokens,
-                         c.prefix_cache.query_tokens, c.scheduler.num_preemptions, c.num_steps, step_seconds)
 
 
 def _failed_message(request_id: str) -> str:
