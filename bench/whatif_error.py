@@ -11,12 +11,14 @@ the `this-machine` profile measured at the start of the run. Prints one row per 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import statistics
 import time
 
 import torch
 
+from tokenhaul.config import EngineConfig
 from tokenhaul.llm import LLM
 from tokenhaul.sampling_params import SamplingParams
 from tokenhaul.whatif.machine import this_machine
@@ -29,7 +31,7 @@ def measure(llm: LLM, batch: int, context: int, new_tokens: int, seed: int, repe
     `repeats` runs for prefill and the fastest decode step (engine stages), as calibration takes best
     times — on a shared machine the least-disturbed figure is the reproducible one."""
     g = torch.Generator().manual_seed(seed)
-    vocab = llm.model.config.vocab_size
+    vocab = llm.costs.lm_head_params // llm.model.config.hidden_size
     params = SamplingParams(max_tokens=new_tokens, temperature=0, ignore_eos=True)
     prefill, decode = 0.0, float("inf")
     for _ in range(repeats):
@@ -41,8 +43,10 @@ def measure(llm: LLM, batch: int, context: int, new_tokens: int, seed: int, repe
 
 
 def engine_kwargs(quant: str, device: str) -> dict:
+    """bf16 / fp32: dense weights at that dtype (quantization none); int8 / int4: packed, bf16 activations."""
     if quant in ("bf16", "fp32"):
-        return {"dtype": quant, "device": device}
+        packed = "quantization" in {f.name for f in dataclasses.fields(EngineConfig)}
+        return {"dtype": quant, "device": device} | ({"quantization": "none"} if packed else {})
     return {"dtype": "bf16", "quantization": quant, "device": device}
 
 

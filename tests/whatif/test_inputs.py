@@ -103,3 +103,9 @@ def test_trace_steps_replay_through_the_model(tmp_path):
     r = _cli("--model", "smollm2-135m", "--hardware", "h100", "--replay", str(tmp_path / "steps.jsonl"))
     assert r.returncode == 0, r.stderr
     assert "prefill: 1 steps" in r.stdout and "decode: 3 steps" in r.stdout
+
+
+@pytest.mark.real_model
+def test_gguf_without_vocab_key_takes_the_embedding_rows():
+    _, cfg = load_model_config("qwen2.5-coder-0.5b")  # its metadata has no qwen2.vocab_size
+    assert cfg.vocab_size == 151936 and cfg.qkv_bias and not cfg.tie_embeddings

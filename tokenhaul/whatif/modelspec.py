@@ -3,6 +3,7 @@ transformers `config.json` of a model that need not be installed (e.g. Llama-3-7
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 from pathlib import Path
@@ -59,7 +60,11 @@ def load_model_config(spec: str) -> tuple[str, ModelConfig]:
 
     files = catalog.resolve(spec)
     reader = open_gguf(files.gguf_path)  # memory-mapped: metadata only, no tensor is read
-    return files.name, config_from_metadata(read_metadata(reader), {t.name for t in reader.tensors})
+    cfg = config_from_metadata(read_metadata(reader), {t.name for t in reader.tensors})
+    if not cfg.vocab_size:  # no `<arch>.vocab_size` key and the token list was skipped: the embedding's rows
+        embd = next(t for t in reader.tensors if t.name == "token_embd.weight")
+        cfg = dataclasses.replace(cfg, vocab_size=int(embd.n_elements) // cfg.hidden_size)
+    return files.name, cfg
 
 
 __all__ = ["SUPPORTED_ARCHS", "config_from_hf", "load_model_config"]
