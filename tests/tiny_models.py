@@ -9,7 +9,8 @@ from tokenhaul.models.gemma3 import Gemma3Model
 from tokenhaul.models.llama import LlamaModel
 
 
-def tiny_model(arch: str = "llama", dtype: torch.dtype = torch.float32, seed: int = 0, **kw):
+def tiny_model(arch: str = "llama", dtype: torch.dtype = torch.float32, seed: int = 0, make=None, **kw):
+    """`make`: a LinearFactory (layers/quantization.py) to build packed linears; default dense."""
     base = dict(arch=arch, hidden_size=64, num_layers=2, num_heads=4, num_kv_heads=2, head_dim=16,
                 ffn_size=96, vocab_size=97, max_position=512, norm_eps=1e-5, rope_theta=10000.0,
                 tie_embeddings=True)
@@ -33,4 +34,4 @@ def tiny_model(arch: str = "llama", dtype: torch.dtype = torch.float32, seed: in
             w |= {p + "post_attention_norm.weight": torch.ones(h), p + "post_ffw_norm.weight": torch.ones(h),
                   p + "attn_q_norm.weight": torch.ones(d), p + "attn_k_norm.weight": torch.ones(d)}
     cls = Gemma3Model if arch == "gemma3" else LlamaModel
-    return cls(cfg, w, cfg.max_position)
+    return cls(cfg, w, cfg.max_position, make)

@@ -19,6 +19,8 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--device", default="cpu")
     p.add_argument("--dtype", default="bf16", help="weights and KV dtype: bf16 (default, fastest here) or fp32")
     p.add_argument("--threads", type=int, default=None)
+    p.add_argument("--quantization", default="auto",
+                   help="auto (keep the file's packed bits where a kernel exists), none, int8, int4[:32|64|128]")
     p.add_argument("--kv-memory", type=float, default=1.0, dest="kv_memory_gib", help="KV cache budget, GiB")
     p.add_argument("--num-kv-blocks", type=int, default=None, help="KV cache budget in blocks (overrides)")
     p.add_argument("--block-size", type=int, default=16)
@@ -34,8 +36,9 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
 
 
 def engine_kwargs(args: argparse.Namespace) -> dict:
-    keys = ("device", "dtype", "threads", "kv_memory_gib", "num_kv_blocks", "block_size", "max_model_len",
-            "max_num_batched_tokens", "max_num_seqs", "enable_prefix_caching", "draft_model", "itl_target_ms")
+    keys = ("device", "dtype", "threads", "quantization", "kv_memory_gib", "num_kv_blocks", "block_size",
+            "max_model_len", "max_num_batched_tokens", "max_num_seqs", "enable_prefix_caching", "draft_model",
+            "itl_target_ms")
     return {k: getattr(args, k) for k in keys}
 
 

@@ -7,6 +7,7 @@ from dataclasses import dataclass
 import torch
 
 from tokenhaul.errors import TokenhaulError
+from tokenhaul.layers.quantization import QuantSpec
 
 # The inter-token budget `tokenhaul serve` uses unless told (EngineConfig's own default is off: offline
 # batches want throughput); chosen by measurement with bench/smooth.py (bench/RESULTS.md, "Smooth streams").
@@ -30,12 +31,14 @@ class EngineConfig:
     draft_model: str | None = None  # alias or GGUF path of a draft model sharing the target's vocabulary
     speculative_max_batch: int = 8  # above this many running requests nothing is drafted (bench/decoding.py)
     itl_target_ms: float = 0.0  # > 0: prefill chunks sized so each step's predicted time stays under it; 0 = off
+    quantization: str = "auto"  # auto | none | int8 | int4[:32|64|128]; see layers/quantization.py
 
     def __post_init__(self) -> None:
         if self.dtype not in DTYPES:
             raise TokenhaulError(f"unknown dtype '{self.dtype}' (choose from {', '.join(DTYPES)})")
         if self.device.startswith("cuda") and not torch.cuda.is_available():
             raise TokenhaulError("--device cuda requested but CUDA is not available")
+        QuantSpec.parse(self.quantization)  # raises TokenhaulError on a bad value
         if self.block_size <= 0 or self.max_num_batched_tokens <= 0 or self.max_num_seqs <= 0:
             raise TokenhaulError("block_size, max_num_batched_tokens and max_num_seqs must be positive")
         if self.speculative_max_batch < 0:

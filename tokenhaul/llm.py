@@ -29,7 +29,8 @@ class LLM:
         if self.config.threads:
             torch.set_num_threads(self.config.threads)
         self.model = load_model(self.files.gguf_path, self.config.torch_dtype, self.config.device,
-                                self.config.max_model_len)  # first: rejects unsupported architectures
+                                self.config.max_model_len, self.config.quantization,
+                                self.files.cache_dir)  # first: rejects unsupported architectures
         self.tokenizer = Tokenizer.from_gguf(self.files.gguf_path, self.files.cache_dir, self.files.name)
         self.draft_model = self._load_draft(self.config.draft_model) if self.config.draft_model else None
         self.core = EngineCore(self.config, self.model, draft_model=self.draft_model)

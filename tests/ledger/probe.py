@@ -21,9 +21,9 @@ class TrafficCounter(TorchDispatchMode):
     def __init__(self, model, kv) -> None:
         super().__init__()
         objs = [model.norm, model.lm_head] + [v for layer in model.layers for v in vars(layer).values()]
-        self.weights = {_ptr(t) for o in objs for t in (getattr(o, "weight", None), getattr(o, "bias", None))
+        self.weights = {_ptr(t) for o in objs if hasattr(o, "__dict__") for t in vars(o).values()
                         if isinstance(t, torch.Tensor)}
-        self.embed = _ptr(model.embed)
+        self.embed = _ptr(model.embed.weight)
         self.kv = {_ptr(t) for t in (*kv.k, *kv.v)}
         self.weight_bytes = self.kv_read = self.kv_write = self.kv_copy = self.flops = 0
 

@@ -1,53 +1,76 @@
-"""Linear layers behind one interface, so quantized kernels slot in without touching the models."""
+"""Linear layers behind one interface and a registry of storage formats, so the models never know how a
+weight is stored. A new format is a new file: subclass `Linear`, decorate it with `@register("name")`,
+and import the file in `layers/quantization.py`."""
 
 from __future__ import annotations
 
+from typing import ClassVar
+
 import torch
+
+from tokenhaul.layers.gguf_weight import GGUFWeight
+
+Part = torch.Tensor | GGUFWeight  # one weight [out, in] as given: a float tensor or raw GGUF blocks
+
+FORMATS: dict[str, type[Linear]] = {}
+
+
+def register(name: str):
+    """Class decorator: make a Linear subclass the kernel for storage format `name`."""
+
+    def deco(cls: type[Linear]) -> type[Linear]:
+        cls.format = name
+        FORMATS[name] = cls
+        return cls
+
+    return deco
 
 
 class Linear:
-    """y = x @ W^T (+ b). Subclasses choose the storage; `weight_bytes` is what one pass reads."""
+    """y = x @ W^T (+ b), returned in fp32. `tensors()` is what one pass reads from memory (the ledger's
+    count); `state()` / `from_state()` round-trip the converted weights through the on-disk cache."""
 
+    format: ClassVar[str]
     in_features: int
     out_features: int
+    bias: torch.Tensor | None = None
+
+    @classmethod
+    def supports(cls, in_features: int, group: int | None) -> bool:
+        """Whether the kernel handles this width (the factory falls back to dense when not)."""
+        return True
+
+    @classmethod
+    def build(cls, parts: list[Part], bias: torch.Tensor | None, dtype: torch.dtype,
+              device: torch.device, group: int | None) -> Linear:
+        """Convert the parts (stacked along out) into this format."""
+        raise NotImplementedError
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         raise NotImplementedError
 
-    @property
-    def weight_bytes(self) -> int:
+    def tensors(self) -> list[torch.Tensor]:
         raise NotImplementedError
 
+    def state(self) -> dict[str, torch.Tensor]:
+        raise NotImplementedError
 
-class DenseLinear(Linear):
-    """Unquantized weights. fp32 is stored transposed [in, out]: `x @ Wt` streams faster on CPU GEMV
-    (10-11 GB/s vs 6-7.5 for the [out, in] layout, see MACHINE.md); bf16 keeps [out, in] and returns fp32."""
-
-    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None) -> None:
-        self.out_features, self.in_features = weight.shape
-        self.transposed = weight.dtype == torch.float32 and weight.device.type == "cpu"
-        self.weight = weight.t().contiguous() if self.transposed else weight.contiguous()
-        self.bias = bias
-
-    def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        x = x.to(self.weight.dtype)
-        if self.transposed:
-            y = x @ self.weight
-            return y if self.bias is None else y + self.bias
-        y = torch.nn.functional.linear(x, self.weight).float()
-        return y if self.bias is None else y + self.bias  # bias stays fp32
+    @classmethod
+    def from_state(cls, state: dict[str, torch.Tensor], device: torch.device) -> Linear:
+        raise NotImplementedError
 
     @property
     def weight_bytes(self) -> int:
-        b = 0 if self.bias is None else self.bias.nbytes
-        return self.weight.nbytes + b
+        return sum(t.nbytes for t in self.tensors())
+
+    def _add_bias(self, y: torch.Tensor) -> torch.Tensor:
+        return y if self.bias is None else y + self.bias
 
 
-def make_linear(weight: torch.Tensor, bias: torch.Tensor | None = None) -> Linear:
-    """The one place a model asks for a linear layer; quantization variants register here later."""
-    return DenseLinear(weight, bias)
+def dequantize_part(p: Part) -> torch.Tensor:
+    """One part as an fp32 [out, in] tensor (exact for GGUF blocks: gguf's own dequantization)."""
+    return p.dequantize() if isinstance(p, GGUFWeight) else p.float()
 
 
-def fuse_rows(*weights: torch.Tensor) -> torch.Tensor:
-    """Stack [out_i, in] weights into one [sum(out_i), in] so one GEMV reads them in a single pass."""
-    return torch.cat(weights, dim=0)
+def part_rows(p: Part) -> int:
+    return p.shape[0]

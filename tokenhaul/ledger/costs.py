@@ -46,8 +46,8 @@ class ModelCosts:
                     layer_params += v.in_features * v.out_features
                 elif name.endswith("norm"):
                     norm_bytes += v.weight.nbytes
-        embed = model.embed
-        return cls(c, layer_bytes, model.lm_head.weight_bytes, embed.shape[1] * embed.element_size(),
+        embed = model.embed  # packed or dense: a gather reads whole stored rows
+        return cls(c, layer_bytes, model.lm_head.weight_bytes, embed.row_bytes,
                    norm_bytes, 2 * c.num_layers * c.num_kv_heads * c.head_dim * kv_itemsize,
                    layer_params, model.lm_head.in_features * model.lm_head.out_features,
                    kv_itemsize=kv_itemsize, device=embed.device.type)

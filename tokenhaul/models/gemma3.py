@@ -8,22 +8,23 @@ import torch.nn.functional as F
 
 from tokenhaul.kv.cache import KVCache
 from tokenhaul.layers.attention import AttentionMetadata, paged_attention
-from tokenhaul.layers.linear import Linear, fuse_rows, make_linear
+from tokenhaul.layers.linear import Linear, Part
 from tokenhaul.layers.norm import RMSNorm
+from tokenhaul.layers.quantization import LinearFactory
 from tokenhaul.layers.rope import RotaryEmbedding
 from tokenhaul.models.config import ModelConfig
 
 
 class Gemma3Layer:
-    def __init__(self, cfg: ModelConfig, w: dict[str, torch.Tensor], i: int) -> None:
+    def __init__(self, cfg: ModelConfig, w: dict[str, Part], i: int, make: LinearFactory) -> None:
         p = f"blk.{i}."
         eps = cfg.norm_eps
         self.sliding = cfg.is_sliding(i)
-        self.qkv: Linear = make_linear(
-            fuse_rows(w[p + "attn_q.weight"], w[p + "attn_k.weight"], w[p + "attn_v.weight"]))
-        self.o: Linear = make_linear(w[p + "attn_output.weight"])
-        self.gate_up: Linear = make_linear(fuse_rows(w[p + "ffn_gate.weight"], w[p + "ffn_up.weight"]))
-        self.down: Linear = make_linear(w[p + "ffn_down.weight"])
+        self.qkv: Linear = make.linear(p + "qkv", [w[p + "attn_q.weight"], w[p + "attn_k.weight"],
+                                                   w[p + "attn_v.weight"]])
+        self.o: Linear = make.linear(p + "o", [w[p + "attn_output.weight"]])
+        self.gate_up: Linear = make.linear(p + "gate_up", [w[p + "ffn_gate.weight"], w[p + "ffn_up.weight"]])
+        self.down: Linear = make.linear(p + "down", [w[p + "ffn_down.weight"]])
         self.attn_norm = RMSNorm(w[p + "attn_norm.weight"], eps)
         self.post_attn_norm = RMSNorm(w[p + "post_attention_norm.weight"], eps)
         self.ffn_norm = RMSNorm(w[p + "ffn_norm.weight"], eps)
@@ -33,12 +34,14 @@ class Gemma3Layer:
 
 
 class Gemma3Model:
-    def __init__(self, cfg: ModelConfig, w: dict[str, torch.Tensor], max_model_len: int) -> None:
+    def __init__(self, cfg: ModelConfig, w: dict[str, Part], max_model_len: int,
+                 make: LinearFactory | None = None) -> None:
         self.config = cfg
-        self.embed = w["token_embd.weight"]
-        self.layers = [Gemma3Layer(cfg, w, i) for i in range(cfg.num_layers)]
+        make = make or LinearFactory.for_tensors(w)
+        self.embed = make.embedding(w["token_embd.weight"])
+        self.layers = [Gemma3Layer(cfg, w, i, make) for i in range(cfg.num_layers)]
         self.norm = RMSNorm(w["output_norm.weight"], cfg.norm_eps)
-        self.lm_head: Linear = make_linear(w.get("output.weight", self.embed))
+        self.lm_head: Linear = make.linear("output", [w.get("output.weight", self.embed.table)])
         dev = self.embed.device
         self.rope_global = RotaryEmbedding(cfg.head_dim, max_model_len, cfg.rope_theta, dev)
         self.rope_local = RotaryEmbedding(cfg.head_dim, max_model_len, cfg.rope_theta_local, dev)
@@ -48,7 +51,7 @@ class Gemma3Model:
         """input_ids: [T] → final hidden states [T, hidden] (normed)."""
         cfg = self.config
         T = input_ids.shape[0]
-        h = self.embed[input_ids].float() * cfg.embed_scale
+        h = self.embed(input_ids) * cfg.embed_scale
         for i, layer in enumerate(self.layers):
             rope = self.rope_local if layer.sliding else self.rope_global
             x = layer.attn_norm(h)

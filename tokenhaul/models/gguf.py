@@ -1,4 +1,5 @@
-"""GGUF → ModelConfig + named weight tensors (dequantized to the compute dtype)."""
+"""GGUF → ModelConfig + named weights: 2-D weights stay as the file's quantized blocks (GGUFWeight), 1-D
+ones (norms, biases) become fp32 tensors. layers/quantization.py decides what each weight becomes."""
 
 from __future__ import annotations
 
@@ -7,9 +8,9 @@ from pathlib import Path
 import numpy as np
 import torch
 from gguf import GGUFReader, GGUFValueType
-from gguf.quants import dequantize
 
 from tokenhaul.errors import ModelError
+from tokenhaul.layers.gguf_weight import GGUFWeight, from_reader_tensor
 from tokenhaul.models.config import ModelConfig, config_from_metadata
 
 _SKIP_FIELDS = ("tokenizer.ggml.tokens", "tokenizer.ggml.scores", "tokenizer.ggml.token_type",
@@ -38,25 +39,22 @@ def read_metadata(reader: GGUFReader) -> dict:
     return meta
 
 
-def _unpermute_rope(w: np.ndarray, n_head: int) -> np.ndarray:
-    """Undo llama.cpp's Q/K row permutation for Llama so one (NeoX, half-split) RoPE serves every model."""
-    rows = w.shape[0]
-    return w.reshape(n_head, rows // n_head // 2, 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
+def rope_permutation(rows: int, n_head: int) -> np.ndarray:
+    """Row order undoing llama.cpp's Q/K permutation for Llama, so one (NeoX, half-split) RoPE serves all."""
+    return np.arange(rows).reshape(n_head, rows // n_head // 2, 2).swapaxes(1, 2).reshape(-1)
 
 
-def load_gguf(path: Path, dtype: torch.dtype = torch.float32,
-              device: str | torch.device = "cpu") -> tuple[ModelConfig, dict[str, torch.Tensor]]:
-    """Read config and every tensor, dequantized to `dtype` on `device`; names stay GGUF names."""
+def load_gguf(path: Path) -> tuple[ModelConfig, dict[str, GGUFWeight | torch.Tensor]]:
+    """Read config and every tensor as stored (memory-mapped, nothing dequantized); names stay GGUF names."""
     reader = open_gguf(path)
     names = {t.name for t in reader.tensors}
     config = config_from_metadata(read_metadata(reader), names)
-    tensors: dict[str, torch.Tensor] = {}
+    tensors: dict[str, GGUFWeight | torch.Tensor] = {}
     for t in reader.tensors:
-        arr = dequantize(t.data, t.tensor_type)
-        if config.arch == "llama" and t.name.endswith(("attn_q.weight", "attn_q.bias")):
-            arr = _unpermute_rope(arr, config.num_heads)
-        elif config.arch == "llama" and t.name.endswith(("attn_k.weight", "attn_k.bias")):
-            arr = _unpermute_rope(arr, config.num_kv_heads)
-        tdtype = torch.float32 if arr.ndim == 1 else dtype  # norms and biases stay fp32
-        tensors[t.name] = torch.from_numpy(np.array(arr, dtype=np.float32)).to(device, tdtype)
+        w = from_reader_tensor(t)
+        heads = {"attn_q": config.num_heads, "attn_k": config.num_kv_heads}.get(t.name.split(".")[-2])
+        if config.arch == "llama" and heads:
+            perm = rope_permutation(w.shape[0], heads)
+            w = w.permute_rows(perm) if isinstance(w, GGUFWeight) else w[torch.from_numpy(perm)]
+        tensors[t.name] = w
     return config, tensors

@@ -7,34 +7,37 @@ import torch.nn.functional as F
 
 from tokenhaul.kv.cache import KVCache
 from tokenhaul.layers.attention import AttentionMetadata, paged_attention
-from tokenhaul.layers.linear import Linear, fuse_rows, make_linear
+from tokenhaul.layers.linear import Linear, Part
 from tokenhaul.layers.norm import RMSNorm
+from tokenhaul.layers.quantization import LinearFactory
 from tokenhaul.layers.rope import RotaryEmbedding
 from tokenhaul.models.config import ModelConfig
 
 
 class LlamaLayer:
-    def __init__(self, cfg: ModelConfig, w: dict[str, torch.Tensor], i: int) -> None:
+    def __init__(self, cfg: ModelConfig, w: dict[str, Part], i: int, make: LinearFactory) -> None:
         p = f"blk.{i}."
         bias = None
         if cfg.qkv_bias:
             bias = torch.cat([w[p + "attn_q.bias"], w[p + "attn_k.bias"], w[p + "attn_v.bias"]])
-        self.qkv: Linear = make_linear(
-            fuse_rows(w[p + "attn_q.weight"], w[p + "attn_k.weight"], w[p + "attn_v.weight"]), bias)
-        self.o: Linear = make_linear(w[p + "attn_output.weight"])
-        self.gate_up: Linear = make_linear(fuse_rows(w[p + "ffn_gate.weight"], w[p + "ffn_up.weight"]))
-        self.down: Linear = make_linear(w[p + "ffn_down.weight"])
+        self.qkv: Linear = make.linear(p + "qkv", [w[p + "attn_q.weight"], w[p + "attn_k.weight"],
+                                                   w[p + "attn_v.weight"]], bias)
+        self.o: Linear = make.linear(p + "o", [w[p + "attn_output.weight"]])
+        self.gate_up: Linear = make.linear(p + "gate_up", [w[p + "ffn_gate.weight"], w[p + "ffn_up.weight"]])
+        self.down: Linear = make.linear(p + "down", [w[p + "ffn_down.weight"]])
         self.attn_norm = RMSNorm(w[p + "attn_norm.weight"], cfg.norm_eps)
         self.ffn_norm = RMSNorm(w[p + "ffn_norm.weight"], cfg.norm_eps)
 
 
 class LlamaModel:
-    def __init__(self, cfg: ModelConfig, w: dict[str, torch.Tensor], max_model_len: int) -> None:
+    def __init__(self, cfg: ModelConfig, w: dict[str, Part], max_model_len: int,
+                 make: LinearFactory | None = None) -> None:
         self.config = cfg
-        self.embed = w["token_embd.weight"]  # [vocab, hidden]
-        self.layers = [LlamaLayer(cfg, w, i) for i in range(cfg.num_layers)]
+        make = make or LinearFactory.for_tensors(w)
+        self.embed = make.embedding(w["token_embd.weight"])
+        self.layers = [LlamaLayer(cfg, w, i, make) for i in range(cfg.num_layers)]
         self.norm = RMSNorm(w["output_norm.weight"], cfg.norm_eps)
-        self.lm_head: Linear = make_linear(w.get("output.weight", self.embed))
+        self.lm_head: Linear = make.linear("output", [w.get("output.weight", self.embed.table)])
         self.rope = RotaryEmbedding(cfg.head_dim, max_model_len, cfg.rope_theta, self.embed.device)
         self.scale = cfg.head_dim ** -0.5
 
@@ -42,7 +45,7 @@ class LlamaModel:
         """input_ids: [T] → final hidden states [T, hidden] (normed)."""
         cfg = self.config
         T = input_ids.shape[0]
-        h = self.embed[input_ids].float()
+        h = self.embed(input_ids)
         for i, layer in enumerate(self.layers):
             x = layer.attn_norm(h)
             q, k, v = layer.qkv(x).split([cfg.q_size, cfg.kv_size, cfg.kv_size], dim=-1)

@@ -2,16 +2,19 @@
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Protocol
 
 import torch
 
 from tokenhaul.kv.cache import KVCache
 from tokenhaul.layers.attention import AttentionMetadata
+from tokenhaul.layers.quantization import LinearFactory, QuantSpec
 from tokenhaul.models.config import ModelConfig
 from tokenhaul.models.gemma3 import Gemma3Model
 from tokenhaul.models.gguf import load_gguf
 from tokenhaul.models.llama import LlamaModel
+from tokenhaul.models.weight_cache import WeightCache
 
 
 class Model(Protocol):
@@ -25,7 +28,15 @@ class Model(Protocol):
 ARCHITECTURES: dict[str, type] = {"llama": LlamaModel, "qwen2": LlamaModel, "gemma3": Gemma3Model}
 
 
-def load_model(gguf_path, dtype: torch.dtype, device: str, max_model_len: int | None = None) -> Model:
-    config, tensors = load_gguf(gguf_path, dtype, device)
+def load_model(gguf_path, dtype: torch.dtype, device: str, max_model_len: int | None = None,
+               quantization: str = "auto", cache_dir: Path | None = None) -> Model:
+    """Build the model; converted (requantized / repacked) linears are cached under `cache_dir`."""
+    config, tensors = load_gguf(gguf_path)
     max_len = min(max_model_len or config.max_position, config.max_position)
-    return ARCHITECTURES[config.arch](config, tensors, max_len)
+    spec = QuantSpec.parse(quantization)
+    cache = WeightCache(cache_dir, Path(gguf_path), spec, device) if cache_dir else None
+    factory = LinearFactory(spec, dtype, device, cache.load() if cache else None)
+    model = ARCHITECTURES[config.arch](config, tensors, max_len, factory)
+    if cache and factory.built:
+        cache.save(factory.built)
+    return model

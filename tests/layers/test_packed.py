@@ -1,0 +1,165 @@
+"""Packed weights: GGUF 4-bit blocks map onto the int4 kernel without loss beyond bf16 scales, each kernel
+matches a float reference on random shapes, the registry's choices and errors, and the on-disk cache."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from gguf import GGML_QUANT_SIZES
+from gguf import GGMLQuantizationType as Q
+from gguf.quants import dequantize, quantize
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from tokenhaul.errors import TokenhaulError
+from tokenhaul.layers.gguf_weight import GGUFWeight
+from tokenhaul.layers.linear_int4 import Int4Linear, groups_of, pack_cpu, unpack_cpu
+from tokenhaul.layers.linear_int8 import Int8Linear
+from tokenhaul.layers.quantization import LinearFactory, QuantSpec
+
+CPU = torch.device("cpu")
+
+
+def gguf_weight(qtype: Q, rows: int, cols: int, seed: int = 0) -> GGUFWeight:
+    """Random weights in GGUF blocks: quantized by gguf itself where it can, else random block bytes with
+    small finite fp16 scales (every byte pattern of the quants is a valid block)."""
+    rng = np.random.default_rng(seed)
+    if qtype in (Q.Q4_0, Q.Q4_1, Q.Q5_0, Q.Q8_0):
+        data = quantize(rng.standard_normal((rows, cols), dtype=np.float32) * 0.1, qtype)
+        return GGUFWeight(qtype, (rows, cols), data.reshape(rows, -1))
+    block, size = GGML_QUANT_SIZES[qtype]
+    data = rng.integers(0, 256, (rows * cols // block, size), dtype=np.uint8)
+    d = (rng.random((data.shape[0], 2)) * 0.01).astype(np.float16).view(np.uint8)
+    if qtype == Q.Q4_K:
+        data[:, 0:4] = d
+    else:  # Q2_K / Q6_K keep d (and dmin) at the end of the block
+        data[:, -4:] = d
+    return GGUFWeight(qtype, (rows, cols), data.reshape(rows, -1))
+
+
+@pytest.mark.parametrize("qtype", [Q.Q4_0, Q.Q4_1, Q.Q4_K])
+def test_int4_blocks_equal_gguf_dequantize(qtype):
+    w = gguf_weight(qtype, 96, 512)
+    ref = torch.from_numpy(dequantize(w.data, qtype).reshape(96, 512))
+    q, scale, offset = groups_of(w, 32)
+    exact = (q.view(96, 16, 32).float() * scale[..., None] + offset[..., None]).view(96, 512)
+    torch.testing.assert_close(exact, ref, rtol=1e-6, atol=1e-7)  # the 4-bit codes are the file's own
+    lin = Int4Linear.build([w], None, torch.bfloat16, CPU, 32)
+    assert torch.equal(unpack_cpu(lin.weight, 128, 512)[:96], q)
+    # the kernel itself, fed the identity, returns W^T: only bf16 scales/zeros (and bf16 output) differ
+    eye = torch.eye(512, dtype=torch.bfloat16)
+    kernel_w = torch.ops.aten._weight_int4pack_mm_for_cpu(eye, lin.weight, 32, lin.scales_zeros).float().t()
+    tol = ref.abs().amax(dim=1, keepdim=True) * 2 ** -7
+    assert ((kernel_w[:96] - ref).abs() <= tol).all()
+    assert ((lin.dequantize() - ref).abs() <= tol).all()
+
+
+def test_pack_layout_round_trip():
+    q = torch.randint(0, 16, (192, 96), dtype=torch.uint8)
+    assert torch.equal(unpack_cpu(pack_cpu(q), 192, 96), q)
+
+
+@settings(max_examples=25, deadline=None)
+@given(n=st.integers(1, 200), k_groups=st.integers(1, 6), m=st.integers(1, 40), group=st.sampled_from([32, 64, 128]),
+       bias=st.booleans(), seed=st.integers(0, 2**16))
+def test_int4_kernel_matches_float_reference(n, k_groups, m, group, bias, seed):
+    """Requantized weights: |w - dequant| <= scale / 2 per group; the kernel equals bf16 x @ dequant^T
+    within 1 % of the output's scale (bf16 activations and output)."""
+    g = torch.Generator().manual_seed(seed)
+    k = group * k_groups
+    w = torch.randn(n, k, generator=g)
+    b = torch.randn(n, generator=g) if bias else None
+    lin = Int4Linear.build([w], b, torch.bfloat16, CPU, group)
+    deq = lin.dequantize()
+    wg = w.view(n, k_groups, group)
+    step = (wg.amax(-1) - wg.amin(-1)) / 15
+    slack = wg.abs().amax(-1) * 2 ** -7  # bf16 rounding of scale and zero
+    assert ((w - deq).view(n, k_groups, group).abs() <= (step * 0.51 + slack)[..., None]).all()
+    x = torch.randn(m, k, generator=g)
+    ref = x.bfloat16().float() @ deq.t() + (0 if b is None else b)
+    y = lin(x)
+    assert y.shape == (m, n) and y.dtype == torch.float32
+    torch.testing.assert_close(y, ref, atol=0.01 * ref.abs().max().item() + 1e-3, rtol=0.01)
+    lin.max_rows = 0  # the dense path for many rows computes the same product
+    torch.testing.assert_close(lin(x), ref, atol=0.01 * ref.abs().max().item() + 1e-3, rtol=0.01)
+
+
+@settings(max_examples=25, deadline=None)
+@given(n=st.integers(1, 200), k16=st.integers(1, 18), m=st.integers(1, 40), seed=st.integers(0, 2**16))
+def test_int8_kernel_matches_float_reference(n, k16, m, seed):
+    g = torch.Generator().manual_seed(seed)
+    k = 16 * k16
+    w = torch.randn(n, k, generator=g)
+    lin = Int8Linear.build([w], None, torch.bfloat16, CPU)
+    deq = lin.dequantize()
+    assert ((w - deq).abs() <= w.abs().amax(1, keepdim=True) / 126 * 0.51 + 1e-6).all()
+    x = torch.randn(m, k, generator=g)
+    ref = x.bfloat16().float() @ deq.t()
+    torch.testing.assert_close(lin(x), ref, atol=0.01 * ref.abs().max().item() + 1e-3, rtol=0.01)
+
+
+def test_fused_parts_of_mixed_types_stack_along_out():
+    parts = [gguf_weight(Q.Q4_1, 64, 256, 1), gguf_weight(Q.Q4_0, 32, 256, 2), torch.randn(40, 256) * 0.1]
+    lin = Int4Linear.build(parts, None, torch.bfloat16, CPU, 32)
+    assert (lin.out_features, lin.in_features) == (136, 256)
+    ref = torch.cat([p.dequantize() if isinstance(p, GGUFWeight) else p for p in parts])
+    assert (lin.dequantize()[:96] - ref[:96]).abs().max() <= ref[:96].abs().max() * 2 ** -7
+
+
+def test_spec_parse_and_bad_group():
+    assert QuantSpec.parse("int4") == QuantSpec("int4", 32)
+    assert str(QuantSpec.parse("int4:128")) == "int4:128"
+    with pytest.raises(TokenhaulError, match="int4:48: group must be one of 32, 64, 128"):
+        QuantSpec.parse("int4:48")
+    with pytest.raises(TokenhaulError, match="unknown quantization"):
+        QuantSpec.parse("fp4")
+
+
+def test_auto_choices_and_one_line_fallback(capsys):
+    make = LinearFactory(QuantSpec("auto"), torch.bfloat16)
+    assert make.linear("a", [gguf_weight(Q.Q4_1, 64, 256)]).format == "int4"
+    assert make.linear("b", [gguf_weight(Q.Q8_0, 64, 256)]).format == "int8"
+    assert make.linear("c", [gguf_weight(Q.Q4_1, 64, 256), gguf_weight(Q.Q8_0, 64, 256)]).format == "int8"
+    assert make.linear("d", [torch.randn(64, 256)]).format == "dense"
+    for name in ("e", "f"):
+        lin = make.linear(name, [gguf_weight(Q.Q2_K, 64, 256)])
+        assert lin.format == "dense"
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err == ["tokenhaul: no packed kernel for GGUF type Q2_K; dequantized to bfloat16"]
+    exact = LinearFactory(QuantSpec("auto"), torch.float32)  # fp32 + auto: the exact path
+    assert exact.linear("a", [gguf_weight(Q.Q4_1, 64, 256)]).format == "dense"
+
+
+@pytest.mark.parametrize("cls", [Int4Linear, Int8Linear])
+def test_state_round_trip(cls):
+    lin = cls.build([torch.randn(70, 128)], torch.randn(70), torch.bfloat16, CPU, 64)
+    again = cls.from_state(lin.state(), CPU)
+    x = torch.randn(3, 128)
+    assert torch.equal(lin(x), again(x)) and again.weight_bytes == lin.weight_bytes
+
+
+@pytest.mark.parametrize("quant,min_cosine", [("int4", 0.9), ("int8", 0.998)])
+def test_tiny_model_packed_tracks_dense(tiny_core, quant, min_cosine):
+    """A whole engine over packed linears: prompt logits close to the dense bf16 model's (random tiny
+    weights have near-flat logits, so greedy tokens are too fragile to compare), then a full run."""
+    from drive import run_requests
+    from tiny_models import tiny_model
+
+    from tokenhaul.engine.core import EngineCore
+    from tokenhaul.sampling_params import SamplingParams
+
+    dense = tiny_core(dtype="bf16")
+    packed = EngineCore(dense.config, tiny_model(make=LinearFactory(QuantSpec.parse(quant), torch.bfloat16)))
+    assert packed.model.layers[0].qkv.format == quant and packed.model.lm_head.format == quant
+    logits = []
+    for core in (dense, packed):
+        core.add_request("q", list(range(1, 30)), SamplingParams(max_tokens=1))
+        inp = core.runner.prepare(core.scheduler.schedule())
+        with torch.inference_mode():
+            logits.append(core.model.compute_logits(core.model.forward(inp.input_ids, inp.meta, core.kv)))
+        core.abort("q")
+    cos = torch.nn.functional.cosine_similarity(logits[0], logits[1], dim=-1)
+    assert cos.mean() >= min_cosine, cos
+    out = run_requests(packed, [[3, 4, 5], [9] * 7], SamplingParams(max_tokens=8, temperature=0, ignore_eos=True))
+    assert [len(o) for o in out] == [8, 8]

@@ -1,0 +1,122 @@
+"""4-bit groupwise weights on PyTorch's packed int4 kernels (bf16 activations).
+
+Value = (q - 8) * scale + zero per group of `group` inputs, q in 0..15. GGUF Q4_0 / Q4_1 / Q4_K blocks
+(32-wide groups) map onto this without loss beyond bf16 scales; anything else is requantized min/max."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from tokenhaul.layers.gguf_weight import GGUFWeight
+from tokenhaul.layers.linear import Linear, Part, dequantize_part, register
+
+BLOCK_N = 64  # the CPU kernel packs rows in blocks of 64: byte = q[n] | q[n + 32] << 4
+
+
+def groups_of(p: Part, group: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """One part → (q uint8 [out, in], scale, offset fp32 [out, in / group]) with value = scale * q + offset.
+    GGUF 4-bit blocks at group 32 keep their own scales (exact); everything else: min/max per group."""
+    w = dequantize_part(p)
+    rows, cols = w.shape
+    grid = p.int4_groups() if isinstance(p, GGUFWeight) and group == 32 else None
+    wg = w.view(rows, cols // group, group)
+    if grid is not None:
+        scale, offset = grid
+        safe = torch.where(scale == 0, torch.ones_like(scale), scale)
+        q = ((wg - offset[..., None]) / safe[..., None]).round()
+    else:  # scale and zero rounded to bf16 first, so the codes fit the values the kernel will use
+        lo, hi = wg.amin(-1), wg.amax(-1)
+        scale = ((hi - lo) / 15).bfloat16().float()
+        offset = (lo + 8 * scale).bfloat16().float() - 8 * scale
+        safe = torch.where(scale == 0, torch.ones_like(scale), scale)
+        q = ((wg - offset[..., None]) / safe[..., None]).round()
+    return q.clamp(0, 15).to(torch.uint8).view(rows, cols), scale, offset
+
+
+def pack_cpu(q: torch.Tensor) -> torch.Tensor:
+    """q uint8 [N, K] (N a multiple of 64) → the CPU kernel's layout [N, K / 2]."""
+    return torch.ops.aten._convert_weight_to_int4pack_for_cpu(q.to(torch.int32), 1)
+
+
+def unpack_cpu(w: torch.Tensor, n: int, k: int) -> torch.Tensor:
+    """Inverse of pack_cpu: [N, K / 2] → q uint8 [N, K] (checked in tests against the kernel itself)."""
+    w = w.view(n // BLOCK_N, k, BLOCK_N // 2)
+    return torch.cat([w & 15, w >> 4], dim=2).transpose(1, 2).reshape(n, k)
+
+
+@register("int4")
+class Int4Linear(Linear):
+    """`_weight_int4pack_mm_for_cpu` (or the CUDA `_weight_int4pack_mm`) for up to `max_rows` rows; more rows
+    dequantize to bf16 and run one dense GEMM (the packed kernel scales like a loop of GEMVs)."""
+
+    max_rows: int | None = None  # None: always packed
+
+    def __init__(self, weight: torch.Tensor, scales_zeros: torch.Tensor, group: int, out_features: int,
+                 in_features: int, bias: torch.Tensor | None) -> None:
+        self.weight = weight  # packed int4, rows padded to a multiple of 64
+        self.scales_zeros = scales_zeros  # bf16 [K / group, N_padded, 2]
+        self.group = group
+        self.out_features, self.in_features = out_features, in_features
+        self.bias = bias
+        self.cuda = weight.device.type == "cuda"
+
+    @classmethod
+    def supports(cls, in_features: int, group: int | None) -> bool:
+        return in_features % (group or 32) == 0
+
+    @classmethod
+    def build(cls, parts: list[Part], bias, dtype, device, group=None) -> Int4Linear:
+        group = group or 32
+        qs, scales, offsets = zip(*(groups_of(p, group) for p in parts))
+        q, scale, offset = torch.cat(qs), torch.cat(scales), torch.cat(offsets)
+        n, k = q.shape
+        pad = -n % BLOCK_N
+        if pad:
+            q = F.pad(q, (0, 0, 0, pad), value=8)
+            scale, offset = F.pad(scale, (0, 0, 0, pad)), F.pad(offset, (0, 0, 0, pad))
+        sz = torch.stack([scale, offset + 8 * scale], dim=-1).transpose(0, 1).contiguous().to(torch.bfloat16)
+        if device.type == "cuda":
+            tiles = next(t for t in (8, 4, 2, 1) if k % (t * 16) == 0)
+            packed = (q[:, ::2] << 4 | q[:, 1::2]).to(device)
+            weight = torch.ops.aten._convert_weight_to_int4pack(packed, tiles)
+        else:
+            weight = pack_cpu(q)
+        b = None if bias is None else bias.to(device, torch.float32)
+        return cls(weight.to(device), sz.to(device), group, n, k, b)
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        x = x.to(torch.bfloat16)
+        if self.max_rows is not None and x.shape[0] > self.max_rows and not self.cuda:
+            y = F.linear(x, self.dequantize(torch.bfloat16))
+        elif self.cuda:
+            y = torch.ops.aten._weight_int4pack_mm(x, self.weight, self.group, self.scales_zeros)
+        else:
+            y = torch.ops.aten._weight_int4pack_mm_for_cpu(x, self.weight, self.group, self.scales_zeros)
+        if y.shape[-1] != self.out_features:
+            y = y[..., :self.out_features]
+        return self._add_bias(y.float())
+
+    def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        """The weight the kernel multiplies by, [out, in] (CPU layout only)."""
+        n, k = self.scales_zeros.shape[1], self.in_features
+        q = unpack_cpu(self.weight, n, k).view(n, k // self.group, self.group).float()
+        sz = self.scales_zeros.float()
+        scale, zero = sz[..., 0].t()[..., None], sz[..., 1].t()[..., None]
+        w = torch.addcmul(zero - 8 * scale, q, scale).reshape(n, k)
+        return w[:self.out_features].to(dtype)
+
+    def tensors(self) -> list[torch.Tensor]:
+        return [self.weight, self.scales_zeros] + ([] if self.bias is None else [self.bias])
+
+    def state(self) -> dict[str, torch.Tensor]:
+        meta = torch.tensor([self.group, self.out_features, self.in_features])
+        return {"weight": self.weight, "scales_zeros": self.scales_zeros, "meta": meta} | (
+            {} if self.bias is None else {"bias": self.bias})
+
+    @classmethod
+    def from_state(cls, state, device) -> Int4Linear:
+        group, n, k = (int(v) for v in state["meta"])
+        bias = state.get("bias")
+        return cls(state["weight"].to(device), state["scales_zeros"].to(device), group, n, k,
+                   None if bias is None else bias.to(device))

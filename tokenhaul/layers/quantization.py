@@ -1,0 +1,108 @@
+"""`--quantization auto|none|int8|int4[:GROUP]` and the factory every model asks for its linears.
+
+auto keeps the file's bit width where a kernel exists (AUTO below), `none` dequantizes to the compute
+dtype, int8 / int4:G requantize every linear. Packed kernels run bf16 activations; `--dtype fp32`
+with auto is the exact path (everything dequantized)."""
+
+from __future__ import annotations
+
+import sys
+from dataclasses import dataclass
+
+import torch
+from gguf import GGMLQuantizationType as Q
+
+from tokenhaul.errors import TokenhaulError
+from tokenhaul.layers import linear_dense, linear_int4, linear_int8  # noqa: F401 - register the formats
+from tokenhaul.layers.embedding import Embedding
+from tokenhaul.layers.gguf_weight import GGUFWeight
+from tokenhaul.layers.linear import FORMATS, Linear, Part
+
+INT4_GROUPS = (32, 64, 128)
+# GGUF type → (format, group) under auto. Q4 types map exactly; wider types go to the nearest kernel.
+AUTO: dict[Q, tuple[str, int | None]] = {
+    Q.F32: ("dense", None), Q.F16: ("dense", None), Q.BF16: ("dense", None),
+    Q.Q4_0: ("int4", 32), Q.Q4_1: ("int4", 32), Q.Q4_K: ("int4", 32),
+    Q.Q5_0: ("int4", 32), Q.Q5_1: ("int4", 32), Q.Q5_K: ("int4", 32),
+    Q.Q6_K: ("int8", None), Q.Q8_0: ("int8", None),
+}
+_WIDTH = {"int4": 0, "int8": 1, "dense": 2}
+
+
+@dataclass(frozen=True)
+class QuantSpec:
+    mode: str = "auto"  # auto | none | int8 | int4
+    group: int | None = None  # int4 only
+
+    @classmethod
+    def parse(cls, text: str) -> QuantSpec:
+        mode, _, group = text.partition(":")
+        if mode in ("auto", "none", "int8") and not group:
+            return cls(mode)
+        if mode == "int4":
+            if not group:
+                return cls("int4", 32)
+            if group.isdigit() and int(group) in INT4_GROUPS:
+                return cls("int4", int(group))
+            raise TokenhaulError(f"--quantization int4:{group}: group must be one of "
+                                 f"{', '.join(map(str, INT4_GROUPS))}")
+        raise TokenhaulError(f"unknown quantization '{text}' (choose auto, none, int8, int4[:32|64|128])")
+
+    def __str__(self) -> str:
+        return self.mode if self.group is None else f"{self.mode}:{self.group}"
+
+
+class LinearFactory:
+    """Builds every linear (fused parts stack along out) and the embedding for one model load.
+    `cache` maps a linear's name to its converted state (see models/weight_cache.py)."""
+
+    def __init__(self, spec: QuantSpec = QuantSpec("none"), dtype: torch.dtype = torch.float32,
+                 device: str | torch.device = "cpu", cache: dict[str, tuple[str, dict]] | None = None) -> None:
+        self.spec = spec
+        self.dtype = dtype
+        self.device = torch.device(device)
+        self.exact = spec.mode == "none" or (spec.mode == "auto" and dtype == torch.float32)
+        self.cache = cache if cache is not None else {}
+        self.built: dict[str, Linear] = {}  # non-dense linears converted in this load (to save)
+        self._warned: set[str] = set()
+
+    @classmethod
+    def for_tensors(cls, w: dict[str, Part]) -> LinearFactory:
+        """Float tensors built in memory (tests): dense, at their own dtype and device."""
+        embed = w["token_embd.weight"]
+        return cls(QuantSpec("none"), embed.dtype, embed.device)
+
+    def choose(self, parts: list[Part]) -> tuple[str, int | None]:
+        if self.exact:
+            return "dense", None
+        if self.spec.mode != "auto":
+            return self.spec.mode, self.spec.group
+        picks = [self._auto(p) for p in parts]
+        return max(picks, key=lambda f: _WIDTH[f[0]])
+
+    def _auto(self, p: Part) -> tuple[str, int | None]:
+        if not isinstance(p, GGUFWeight):
+            return "dense", None
+        if p.qtype not in AUTO and p.type_name not in self._warned:
+            self._warned.add(p.type_name)
+            print(f"tokenhaul: no packed kernel for GGUF type {p.type_name}; dequantized to "
+                  f"{str(self.dtype).removeprefix('torch.')}", file=sys.stderr)
+        return AUTO.get(p.qtype, ("dense", None))
+
+    def linear(self, name: str, parts: list[Part], bias: torch.Tensor | None = None) -> Linear:
+        fmt, group = self.choose(parts)
+        if not FORMATS[fmt].supports(parts[0].shape[1], group):
+            fmt, group = "dense", None
+        if fmt != "dense" and name in self.cache and self.cache[name][0] == fmt:
+            return FORMATS[fmt].from_state(self.cache[name][1], self.device)
+        lin = FORMATS[fmt].build(parts, bias, self.dtype, self.device, group)
+        if fmt != "dense":
+            self.built[name] = lin
+        return lin
+
+    def embedding(self, table: Part) -> Embedding:
+        if isinstance(table, GGUFWeight) and not self.exact:
+            return Embedding(table, self.device)
+        if isinstance(table, GGUFWeight):
+            table = table.dequantize()
+        return Embedding(table.to(self.dtype), self.device)
