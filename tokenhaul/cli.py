@@ -187,6 +187,27 @@ def cmd_serve(args: argparse.Namespace) -> None:
     serve(engine, args.host, args.port, args.log_level, args.access_log, args.shutdown_timeout)
 
 
+def cmd_eval_ppl(args: argparse.Namespace) -> None:
+    from tokenhaul.eval.perplexity import evaluate
+    from tokenhaul.llm import LLM
+
+    if args.window < 2 or not 0 < args.stride <= args.window:
+        raise TokenhaulError("--window must be >= 2 and 0 < --stride <= --window")
+    if args.max_tokens is not None and args.max_tokens < 2:
+        raise TokenhaulError("--max-tokens must be >= 2")
+    kw = engine_kwargs(args) | {"max_num_batched_tokens": max(args.window, args.max_num_batched_tokens),
+                                "enable_prefix_caching": False}
+    llm = LLM(args.model, **kw)
+    res = {"model": llm.files.name, "quantization": args.quantization, "dtype": args.dtype,
+           **evaluate(llm, args.corpus, args.max_tokens, args.window, args.stride)}
+    if args.json:
+        print(json.dumps(res))
+        return
+    parts = ", ".join(f"{k} {v['perplexity']:.3f} ({v['tokens']} tokens)" for k, v in res["parts"].items())
+    print(f"{res['model']} {args.quantization} {args.dtype}: perplexity {res['perplexity']:.4f} over "
+          f"{res['tokens']} tokens [{parts}] in {res['seconds']:.1f} s")
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="tokenhaul", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
@@ -250,6 +271,16 @@ def build_parser() -> argparse.ArgumentParser:
     w.add_argument("--plots", default=None, help="directory for roofline.png, batch.png, context.png")
     w.add_argument("--replay", default=None, help="steps.jsonl from `tokenhaul trace`: predicted vs measured per step")
     w.set_defaults(func=cmd_whatif)
+    e = sub.add_parser("eval", help="quality: `eval ppl` (perplexity over the shipped corpus or a file)")
+    esub = e.add_subparsers(dest="eval_command", required=True)
+    ep = esub.add_parser("ppl", help="perplexity with sliding windows (English, Chinese and code corpus)")
+    add_engine_args(ep)
+    ep.add_argument("--corpus", default=None, help="a UTF-8 text file (default: the shipped corpus)")
+    ep.add_argument("--max-tokens", type=int, default=None, help="cap on scored tokens (split across parts)")
+    ep.add_argument("--window", type=int, default=512, help="context window per chunk")
+    ep.add_argument("--stride", type=int, default=256, help="tokens between window starts")
+    ep.add_argument("--json", action="store_true", help="print one JSON object")
+    ep.set_defaults(func=cmd_eval_ppl)
     c = sub.add_parser("calibrate", help="measure read bandwidth and fp32 GEMM FLOP/s for the roofline")
     c.add_argument("--device", default="cpu")
     c.add_argument("--threads", type=int, default=None)

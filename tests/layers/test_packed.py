@@ -163,3 +163,23 @@ def test_tiny_model_packed_tracks_dense(tiny_core, quant, min_cosine):
     assert cos.mean() >= min_cosine, cos
     out = run_requests(packed, [[3, 4, 5], [9] * 7], SamplingParams(max_tokens=8, temperature=0, ignore_eos=True))
     assert [len(o) for o in out] == [8, 8]
+
+
+def test_weight_cache_round_trip_is_aligned(tmp_path):
+    """Cached linears come back equal and in fresh memory (the int8 kernel crashes on safetensors'
+    8-byte-aligned buffers once it has more than a few rows)."""
+    from tokenhaul.models.weight_cache import WeightCache
+
+    gguf = tmp_path / "m.gguf"
+    gguf.write_bytes(b"x" * 10)
+    cache = WeightCache(tmp_path, gguf, QuantSpec("auto"), "cpu")
+    lins = {"a": Int8Linear.build([torch.randn(64, 96)], None, torch.bfloat16, CPU),
+            "b": Int4Linear.build([torch.randn(80, 64)], torch.randn(80), torch.bfloat16, CPU, 32)}
+    cache.save(lins)
+    make = LinearFactory(QuantSpec("int8"), torch.bfloat16, cache=cache.load())
+    again = make.linear("a", [torch.zeros(64, 96)])  # taken from the cache, not from these parts
+    assert not make.built and again.weight.data_ptr() % 64 == 0
+    x = torch.randn(40, 96)
+    assert torch.equal(again(x), lins["a"](x))
+    b = LinearFactory(QuantSpec("int4"), torch.bfloat16, cache=cache.load()).linear("b", [torch.zeros(80, 64)])
+    assert torch.equal(b(x[:, :64]), lins["b"](x[:, :64]))

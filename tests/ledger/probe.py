@@ -47,6 +47,8 @@ class TrafficCounter(TorchDispatchMode):
                 self.kv_read += sum(a.numel() * a.element_size() for a in tensors if _ptr(a) in self.kv)
         if name in ("matmul", "mm") and out.numel():
             self.flops += 2 * args[0].numel() * args[1].shape[-1]
+        elif name.startswith(("_weight_int4pack_mm", "_weight_int8pack_mm")) and out.numel():
+            self.flops += 2 * args[0].numel() * out.shape[-1]
         elif name == "linear" and out.numel():
             self.flops += 2 * args[0].numel() * args[1].shape[0]
         elif name == "scaled_dot_product_attention":

@@ -33,15 +33,24 @@ class ModelCosts:
     kv_itemsize: int = 4
     compute_itemsize: int = 4  # attention runs in fp32: the gathered K/V is converted to it
     device: str = "cpu"
+    weight_formats: tuple[tuple[str, int], ...] = ()  # (storage format, linears in it), lm_head included
+
+    @property
+    def packed(self) -> bool:
+        """Whether any linear runs on a packed (quantized) kernel rather than dequantized weights."""
+        return any(fmt != "dense" for fmt, _ in self.weight_formats)
 
     @classmethod
     def from_model(cls, model, kv_itemsize: int) -> ModelCosts:
         c = model.config
         layer_bytes = layer_params = 0
         norm_bytes = model.norm.weight.nbytes
+        formats = {getattr(model.lm_head, "format", "dense"): 1}
         for layer in model.layers:
             for name, v in vars(layer).items():
                 if hasattr(v, "weight_bytes"):
+                    fmt = getattr(v, "format", "dense")
+                    formats[fmt] = formats.get(fmt, 0) + 1
                     layer_bytes += v.weight_bytes
                     layer_params += v.in_features * v.out_features
                 elif name.endswith("norm"):
@@ -50,7 +59,7 @@ class ModelCosts:
         return cls(c, layer_bytes, model.lm_head.weight_bytes, embed.row_bytes,
                    norm_bytes, 2 * c.num_layers * c.num_kv_heads * c.head_dim * kv_itemsize,
                    layer_params, model.lm_head.in_features * model.lm_head.out_features,
-                   kv_itemsize=kv_itemsize, device=embed.device.type)
+                   kv_itemsize=kv_itemsize, device=embed.device.type, weight_formats=tuple(formats.items()))
 
     @classmethod
     def from_config(cls, c: ModelConfig, weight_bits: float = 16.0, kv_itemsize: float = 2.0,

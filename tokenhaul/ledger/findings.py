@@ -153,11 +153,17 @@ def _costs(ledger: Ledger, roof: Roofline) -> Finding:
     c = four_costs(ledger, roof)
     mc = ledger.costs
     bits = 8 * mc.layer_weight_bytes / mc.layer_params if mc.layer_params else 0
+    if mc.packed:
+        kinds = ", ".join(f"{n} {fmt}" for fmt, n in mc.weight_formats)
+        quant = (f"weights run packed at {bits:.1f} bits per weight ({kinds} linears); the kernels read the packed "
+                 f"bytes and dequantize on the fly — the error is the file's own where its blocks map exactly, "
+                 f"else requantization error (measure it: tokenhaul eval ppl)")
+    else:
+        quant = f"weights run at {bits:.0f} bits, dequantized at load, so no error is added at run time"
     text = (f"compute {c['compute_flops'] / 1e9:.3g} GFLOP/token ({c['compute_s'] * 1e3:.2f} ms at peak); "
             f"memory traffic {c['memory_bytes'] / 1e6:.4g} MB/token ({c['memory_s'] * 1e3:.2f} ms at "
             f"{roof.bandwidth / 1e9:.1f} GB/s); synchronisation {c['sync_s'] * 1e3:.2f} ms/token of host "
             f"coordination; error/rollback {ledger.recomputed_tokens} tokens recomputed after "
             f"{ledger.num_preemptions} preemptions, {ledger.rejected_tokens} speculative tokens rejected "
-            f"({c['rollback_s'] * 1e3:.2f} ms/token); quantization: weights run at {bits:.0f} bits, "
-            f"dequantized at load, so no error is added at run time")
+            f"({c['rollback_s'] * 1e3:.2f} ms/token); quantization: {quant}")
     return Finding("Which of the four costs does this run pay (compute, memory, sync, rollback)?", text, c)

@@ -37,7 +37,8 @@ class WeightCache:
         out: dict[str, tuple[str, dict[str, torch.Tensor]]] = {}
         for key, t in flat.items():
             name, _, field = key.rpartition("/")
-            out.setdefault(name, (formats.get(name, ""), {}))[1][field] = t
+            # a fresh copy: safetensors' buffers are 8-byte aligned, and the packed kernels crash on that
+            out.setdefault(name, (formats.get(name, ""), {}))[1][field] = t.clone()
         return out
 
     def save(self, linears: dict[str, Linear]) -> None:

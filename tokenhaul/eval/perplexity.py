@@ -1,0 +1,70 @@
+"""Perplexity with sliding windows, through the model exactly as the engine runs it (paged KV, packed
+weights): each window is one prefill chunk; its tokens past the previous window's end are scored."""
+
+from __future__ import annotations
+
+import math
+import time
+from pathlib import Path
+
+import torch
+
+from tokenhaul.errors import RequestError
+from tokenhaul.sampling_params import SamplingParams
+
+CORPUS_DIR = Path(__file__).parent / "corpus"
+PARTS = ("en", "zh", "code")  # English prose, Chinese, Python source; licences in corpus/README.md
+
+
+def corpus_ids(tokenizer, corpus: Path | None, max_tokens: int | None) -> dict[str, list[int]]:
+    """Token ids per part: the shipped corpus (each part capped at an equal share of max_tokens) or one file."""
+    if corpus is not None:
+        try:
+            text = Path(corpus).read_text(encoding="utf-8")
+        except (OSError, UnicodeDecodeError) as e:
+            raise RequestError(f"cannot read corpus {corpus}: {e}") from None
+        ids = tokenizer.encode(text)
+        if len(ids) < 2:
+            raise RequestError(f"corpus {corpus} has fewer than 2 tokens")
+        return {Path(corpus).stem: ids[:max_tokens]}
+    share = None if max_tokens is None else max(2, max_tokens // len(PARTS))
+    return {p: tokenizer.encode((CORPUS_DIR / f"{p}.txt").read_text(encoding="utf-8"))[:share] for p in PARTS}
+
+
+@torch.inference_mode()
+def window_nll(llm, ids: list[int], window: int, stride: int) -> tuple[float, int]:
+    """Sum of -log p over ids[1:], each token scored once with up to `window` tokens of context."""
+    core, model = llm.core, llm.model
+    total, count, scored_to = 0.0, 0, 1
+    for begin in range(0, len(ids), stride):
+        end = min(begin + window, len(ids))
+        core.add_request("ppl", ids[begin:end], SamplingParams(max_tokens=1))
+        try:
+            inp = core.runner.prepare(core.scheduler.schedule())
+            assert inp.input_ids.shape[0] == end - begin, "a window must be one prefill chunk"
+            first = scored_to - begin  # rows of targets not yet scored
+            hidden = model.forward(inp.input_ids, inp.meta, core.kv)[first - 1:end - begin - 1]
+            logp = torch.log_softmax(model.compute_logits(hidden).float(), dim=-1)
+            targets = torch.tensor(ids[scored_to:end], device=logp.device)
+            total -= logp.gather(1, targets[:, None]).sum().item()
+            count += end - scored_to
+            scored_to = end
+        finally:
+            core.abort("ppl")
+        if end == len(ids):
+            break
+    return total, count
+
+
+def evaluate(llm, corpus: Path | None = None, max_tokens: int | None = None, window: int = 512,
+             stride: int = 256) -> dict:
+    """{"perplexity", "tokens", "parts": {name: {"perplexity", "tokens"}}, "seconds"} over the corpus."""
+    t0 = time.perf_counter()
+    parts = {}
+    nll = n = 0
+    for name, ids in corpus_ids(llm.tokenizer, corpus, max_tokens).items():
+        s, c = window_nll(llm, ids, window, stride)
+        parts[name] = {"perplexity": math.exp(s / c), "tokens": c}
+        nll, n = nll + s, n + c
+    return {"perplexity": math.exp(nll / n), "tokens": n, "parts": parts,
+            "seconds": time.perf_counter() - t0}
