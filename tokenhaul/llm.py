@@ -40,7 +40,8 @@ class LLM:
     def _load_draft(self, alias: str) -> Model:
         """Load a draft model and refuse it unless its tokenizer is the target's, token for token."""
         files = resolve(alias)
-        draft = load_model(files.gguf_path, self.config.torch_dtype, self.config.device, self.config.max_model_len)
+        draft = load_model(files.gguf_path, self.config.torch_dtype, self.config.device, self.config.max_model_len,
+                           self.config.quantization, files.cache_dir)
         tok = Tokenizer.from_gguf(files.gguf_path, files.cache_dir, files.name)
         if tok.backend.get_vocab(with_added_tokens=True) != self.tokenizer.backend.get_vocab(with_added_tokens=True):
             raise ModelError(f"draft model {alias!r} has another vocabulary than {self.config.model!r}: "

@@ -15,7 +15,7 @@ from tokenhaul.layers.quantization import LinearFactory, QuantSpec
 from tokenhaul.ledger.costs import ModelCosts
 from tokenhaul.ledger.findings import findings
 from tokenhaul.ledger.ledger import Ledger
-from tokenhaul.ledger.roofline import Roofline
+from tokenhaul.whatif.roofline import Roofline
 
 
 @pytest.mark.parametrize("quant", ["int4", "int4:64", "int8"])

@@ -67,6 +67,13 @@ class Linear:
         return y if self.bias is None else y + self.bias
 
 
+def make_linear(weight: torch.Tensor, bias: torch.Tensor | None = None, quantization: str = "none") -> Linear:
+    """One linear from one float weight (benchmarks, the what-if calibration); models use a LinearFactory."""
+    from tokenhaul.layers.quantization import LinearFactory, QuantSpec
+
+    return LinearFactory(QuantSpec.parse(quantization), weight.dtype, weight.device).linear("w", [weight], bias)
+
+
 def dequantize_part(p: Part) -> torch.Tensor:
     """One part as an fp32 [out, in] tensor (exact for GGUF blocks: gguf's own dequantization)."""
     return p.dequantize() if isinstance(p, GGUFWeight) else p.float()

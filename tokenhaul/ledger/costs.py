@@ -9,7 +9,7 @@ host and moves them to the device once.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, field, fields
 
 from tokenhaul.models.config import ModelConfig
 
@@ -33,7 +33,8 @@ class ModelCosts:
     kv_itemsize: int = 4
     compute_itemsize: int = 4  # attention runs in fp32: the gathered K/V is converted to it
     device: str = "cpu"
-    weight_formats: tuple[tuple[str, int], ...] = ()  # (storage format, linears in it), lm_head included
+    # (storage format, linears in it), lm_head included; a description, not a cost (equality ignores it)
+    weight_formats: tuple[tuple[str, int], ...] = field(default=(), compare=False)
 
     @property
     def packed(self) -> bool:

@@ -1,0 +1,125 @@
+"""Decode and prefill speed, one run, same GGUF and threads: tokenhaul (default settings) vs llama.cpp
+(xllamacpp) vs transformers. Decode at batch 1, 8, 32 and prefill of a 512-token prompt; ratios and
+the roofline fraction (ledger DRAM bytes per token × tokens/s ÷ calibrated read bandwidth). JSON saved.
+
+    flock /tmp/tokenhaul-bench.lock .venv/bin/python bench/speed.py --out bench/speed.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import platform
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+import torch  # noqa: E402
+from peers import _HF_MODELS, hf_speed, llamacpp_speed, llamacpp_throughput, synthetic_prompt  # noqa: E402
+
+from tokenhaul import LLM, SamplingParams  # noqa: E402
+from tokenhaul.whatif.calibrate import machine_roofline  # noqa: E402
+
+TARGETS = {"decode_1_vs_llamacpp": 1.0, "decode_32_vs_llamacpp": 2.0, "prefill_512_vs_llamacpp": 1.5,
+           "decode_1_vs_transformers": 3.0, "roofline_fraction_1": 0.7}
+
+
+def greedy(n: int) -> SamplingParams:
+    return SamplingParams(max_tokens=n, temperature=0, ignore_eos=True)
+
+
+def timed(llm: LLM, prompts, n: int) -> tuple[float, list]:
+    t0 = time.perf_counter()
+    outs = llm.generate(prompts, greedy(n))
+    return time.perf_counter() - t0, outs
+
+
+def tokenhaul_row(llm: LLM, new: int, batches: list[int], bandwidth: float) -> dict:
+    prompt = synthetic_prompt(64)
+    timed(llm, [prompt], 4)  # warm up
+    t1, _ = timed(llm, [prompt], 1)
+    tn, outs = timed(llm, [prompt], new)
+    s = outs[0].ledger.summary()
+    dram = s["weight_bytes_per_token"] + sum(v for k, v in s["bytes_per_token"].items()
+                                             if k in ("kv_read_bytes", "kv_write_bytes"))
+    row = {"decode_1": (new - 1) / (tn - t1), "dram_bytes_per_token": dram}
+    row["roofline_fraction_1"] = dram * row["decode_1"] / bandwidth
+    for b in batches:
+        wall, outs = timed(llm, [synthetic_prompt(64, seed=i) for i in range(b)], new)
+        row[f"decode_{b}"] = sum(len(o.token_ids) for o in outs) / wall
+    long = synthetic_prompt(512, seed=99)
+    timed(llm, [long[:256]], 1)
+    wall, _ = timed(llm, [long], 1)
+    row["prefill_512"] = 512 / wall
+    return row
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__)
+    ap.add_argument("--models", default="smollm2-135m,qwen2.5-coder-0.5b")
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--new-tokens", type=int, default=32)
+    ap.add_argument("--batches", default="8,32")
+    ap.add_argument("--quantization", default="auto")
+    ap.add_argument("--no-hf", action="store_true")
+    ap.add_argument("--out", default="bench/speed.json")
+    args = ap.parse_args()
+    torch.set_num_threads(args.threads)
+    batches = [int(b) for b in args.batches.split(",")]
+    roof = machine_roofline("cpu")
+    result = {"date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "machine": platform.processor() or
+              platform.machine(), "threads": args.threads, "torch": torch.__version__,
+              "bandwidth_gb_per_s": roof.bandwidth / 1e9, "quantization": args.quantization, "models": {}}
+    for model in args.models.split(","):
+        llm = LLM(model, threads=args.threads, quantization=args.quantization, max_num_seqs=64,
+                  max_num_batched_tokens=2048, enable_prefix_caching=False)
+        gguf = llm.files.gguf_path
+        th = tokenhaul_row(llm, args.new_tokens, batches, roof.bandwidth)
+        del llm
+        gc.collect()
+        lc = llamacpp_speed(gguf, synthetic_prompt(64), args.new_tokens, args.threads)
+        lc_row = {"decode_1": lc["decode_tokens_per_s"],
+                  "prefill_512": llamacpp_speed(gguf, synthetic_prompt(512, seed=99), 2,
+                                                args.threads)["prefill_tokens_per_s"]}
+        for b in batches:
+            lc_row[f"decode_{b}"] = llamacpp_throughput(gguf, [synthetic_prompt(64, seed=i) for i in range(b)],
+                                                        args.new_tokens, b, args.threads)["tokens_per_s"]
+        entry = {"tokenhaul": th, "llama.cpp": lc_row}
+        if not args.no_hf:
+            hf = hf_speed(gguf, synthetic_prompt(64), args.new_tokens, args.threads)
+            entry["transformers"] = {"decode_1": hf["decode_tokens_per_s"]}
+            _HF_MODELS.clear()
+            gc.collect()
+        entry["ratios"] = {k: th[k] / lc_row[k] for k in lc_row} | (
+            {"decode_1_vs_transformers": th["decode_1"] / entry["transformers"]["decode_1"]} if not args.no_hf
+            else {})
+        result["models"][model] = entry
+        print(json.dumps({model: entry}), flush=True)
+    Path(args.out).write_text(json.dumps(result, indent=1))
+    print(table(result))
+
+
+def table(res: dict) -> str:
+    cols = ["decode_1"] + [k for k in next(iter(res["models"].values()))["llama.cpp"] if k != "decode_1"]
+    lines = [f"{res['date']}, {res['machine']}, {res['threads']} threads, torch {res['torch']}, "
+             f"quantization {res['quantization']}, calibrated read {res['bandwidth_gb_per_s']:.1f} GB/s "
+             f"(tok/s; ratio = tokenhaul ÷ peer)", "",
+             "| model | metric | tokenhaul | llama.cpp | ratio | transformers | ratio |",
+             "|---|---|---|---|---|---|---|"]
+    for model, e in res["models"].items():
+        for c in cols:
+            th, lc = e["tokenhaul"][c], e["llama.cpp"][c]
+            hf = e.get("transformers", {}).get(c)
+            hf_s = f"{hf:.1f} | {th / hf:.2f}×" if hf else "– | –"
+            lines.append(f"| {model} | {c.replace('_', ' ')} | {th:.1f} | {lc:.1f} | {th / lc:.2f}× | {hf_s} |")
+        t = e["tokenhaul"]
+        lines.append(f"| {model} | roofline fraction, batch 1 | {t['roofline_fraction_1']:.0%} "
+                     f"({t['dram_bytes_per_token'] / 1e6:.0f} MB/token) | | | | |")
+    return "\n".join(lines)
+
+
+if __name__ == "__main__":
+    main()
