@@ -94,3 +94,18 @@ def test_preemption_with_drafts_keeps_output_and_frees_everything(spec):
     assert run_requests(core, ps, greedy(spec, max_tokens=20)) == plain
     assert core.scheduler.num_preemptions > 0
     assert core.pool.num_used == 0
+
+
+def test_draft_with_another_vocabulary_is_refused():
+    from tokenhaul.errors import ModelError
+
+    cfg = EngineConfig(model="tiny", dtype="fp32", num_kv_blocks=16, block_size=4)
+    with pytest.raises(ModelError, match="vocabulary of 50 tokens, the target 97"):
+        EngineCore(cfg, tiny_model(), draft_model=tiny_model(vocab_size=50))
+
+
+def test_draft_request_without_draft_model_is_refused():
+    from tokenhaul.errors import RequestError
+
+    with pytest.raises(RequestError, match="draft model"):
+        core_with().add_request("r", [1, 2, 3], greedy("draft"))
