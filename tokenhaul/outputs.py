@@ -14,6 +14,15 @@ class TokenLogprob:
 
 
 @dataclass
+class BeamOutput:
+    """One returned beam of a beam search: its tokens, text and score (sum of logprobs / length ** penalty)."""
+
+    token_ids: list[int]
+    text: str
+    score: float
+
+
+@dataclass
 class RequestOutput:
     request_id: str
     prompt_token_ids: list[int]
@@ -24,4 +33,5 @@ class RequestOutput:
     finish_reason: str | None = None
     stop_reason: str | None = None  # the stop string matched, if any
     logprobs: list[TokenLogprob] | None = None
+    beams: list[BeamOutput] | None = None  # beam search: the best n, best first (token_ids/text are beams[0]'s)
     ledger: Any = None  # tokenhaul.ledger.Ledger of the generate call, set by LLM.generate

@@ -29,6 +29,11 @@ class SamplingParams:
     skip_special_tokens: bool = True
     speculative: str = "off"  # "off" | "prompt_lookup" | "draft" | "jacobi" (decoding/)
     num_speculative_tokens: int = 4  # most drafts per step; adapted per request between 1 and this
+    use_beam_search: bool = False  # transformers' num_beams semantics (decoding/beam.py); deterministic
+    beam_width: int = 4
+    length_penalty: float = 1.0  # finished beam score = sum of logprobs / generated length ** this
+    early_stopping: bool = False  # True: stop once beam_width beams have finished
+    n: int = 1  # beams returned (best first, with scores); > 1 only with use_beam_search
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -37,7 +42,7 @@ class SamplingParams:
         if self.top_k == -1:
             self.top_k = 0
         floats = (self.temperature, self.top_p, self.min_p, self.repetition_penalty, self.presence_penalty,
-                  self.frequency_penalty)
+                  self.frequency_penalty, self.length_penalty)
         checks = [
             (all(math.isfinite(x) for x in floats), "sampling values must be finite numbers"),
             (isinstance(self.max_tokens, int) and self.max_tokens > 0,
@@ -56,6 +61,13 @@ class SamplingParams:
              f"speculative must be one of {', '.join(SPECULATIVE)}, got {self.speculative!r}"),
             (isinstance(self.num_speculative_tokens, int) and 1 <= self.num_speculative_tokens <= 16,
              f"num_speculative_tokens must be an integer in [1, 16], got {self.num_speculative_tokens!r}"),
+            (isinstance(self.beam_width, int) and 1 <= self.beam_width <= 64,
+             f"beam_width must be an integer in [1, 64], got {self.beam_width!r}"),
+            (isinstance(self.n, int) and 1 <= self.n <= (self.beam_width if self.use_beam_search else 1),
+             f"n must be 1, or in [1, beam_width] with use_beam_search, got {self.n!r}"),
+            (not self.use_beam_search or (self.speculative == "off" and not self.needs_penalties
+                                          and self.logprobs is None),
+             "use_beam_search does not combine with speculative, penalties or logprobs (beams carry scores)"),
         ]
         for ok, msg in checks:
             if not ok:

@@ -15,6 +15,7 @@ import torch
 
 from tokenhaul.config import EngineConfig
 from tokenhaul.decoding import PROPOSERS
+from tokenhaul.decoding.beam import BeamSearch
 from tokenhaul.decoding.decoder import Decoder, Verdict
 from tokenhaul.decoding.speculative import DraftModel, check_pair
 from tokenhaul.engine.messages import CoreLimits, CoreStats, RequestDelta
@@ -101,6 +102,7 @@ class EngineCore:
             proposers["draft"] = DraftModel(draft_model, mirrors[0], config.device)
         self.runner = ModelRunner(model, self.kv, config.device, mirrors)
         self.decoder = Decoder(proposers, max_len, config.speculative_max_batch)
+        self.beams = BeamSearch(self.scheduler, max_len)
         self.num_steps = 0
         if config.itl_target_ms > 0:
             self.scheduler.step_time = step_time or load_or_calibrate(self)  # times the runner: built last
@@ -115,10 +117,16 @@ class EngineCore:
         if params.speculative not in self.decoder.proposers and params.speculative != "off":
             raise RequestError(f"speculative={params.speculative!r} needs an engine started with a draft model "
                                f"(--draft-model)")
+        if params.use_beam_search:
+            self.beams.add(request_id, list(prompt_token_ids), params, tuple(eos_token_ids), priority)
+            return
         self.scheduler.add(Request(request_id, list(prompt_token_ids), params, tuple(eos_token_ids), priority))
 
     def abort(self, request_id: str, reason: str = "abort") -> None:
         """Finish a request now (client gone, stop string seen); its KV blocks are freed at once."""
+        for beam in self.beams.abort(request_id):
+            if self.observer:
+                self.observer.on_finish(beam)
         req = self.scheduler.abort(request_id, reason)
         if req is not None:
             self.decoder.forget(req)
@@ -141,7 +149,7 @@ class EngineCore:
 
     def request_ids(self) -> list[str]:
         """Ids of the requests the core holds (waiting or running)."""
-        return list(self.scheduler.requests)
+        return self.beams.public_ids(list(self.scheduler.requests))
 
     def step_only(self, request_ids: Collection[str]) -> list[RequestDelta]:
         """One step in which only these requests may be scheduled. The others are held out, keeping
@@ -174,7 +182,8 @@ class EngineCore:
         if logits.device.type == "cuda":
             torch.cuda.synchronize()
         t3 = time.perf_counter()
-        verdicts = self.decoder.verify(logits, inp.sample_chunks)
+        logits, chunks, beam_rows = self.beams.split(logits, inp.sample_chunks)
+        verdicts = self.decoder.verify(logits, chunks) if chunks else []
         t4 = time.perf_counter()
         self.scheduler.observe(sched, t4 - t1)
         before = {v.request.request_id: len(v.request.output_token_ids) for v in verdicts}
@@ -182,23 +191,25 @@ class EngineCore:
                                                  for v in verdicts})
         for r in finished:
             self.decoder.forget(r)
+        beam_deltas, beams_ended = self.beams.step(beam_rows)
         t5 = time.perf_counter()
         self.decoder.propose(self.scheduler.running)
         t6 = time.perf_counter()
-        deltas = [self._delta(v, before[v.request.request_id]) for v in verdicts]
+        deltas = [self._delta(v, before[v.request.request_id]) for v in verdicts] + beam_deltas
         if self.observer:
             self.observer.on_step(StepRecord(
                 self.num_steps, t0,
                 {"schedule": t1 - t0, "prepare": t2 - t1, "forward": t3 - t2, "sample": t4 - t3,
                  "update": t5 - t4, "propose": t6 - t5},
                 [(c.request.request_id, c.start, c.num_tokens) for c in sched.chunks],
-                [d.request_id for d in deltas for _ in d.new_token_ids], sched.preempted, self.pool.num_used,
+                [d.request_id for d in deltas[:len(verdicts)] for _ in d.new_token_ids] + list(beam_rows),
+                sched.preempted, self.pool.num_used,
                 self.pool.num_cached, len(sched.block_copies) * self.pool.block_size,
                 rejected_tokens=sum(v.proposed - v.accepted for v in verdicts), kv_block_size=self.pool.block_size,
                 kv_view_slots=inp.kv_view_slots,
                 speculation=[(v.request.request_id, v.proposed, v.accepted) for v in verdicts if v.proposed],
                 attn_groups=inp.attn_groups, budget_s=sched.budget_s, predicted_s=sched.predicted_s))
-            for r in finished:
+            for r in finished + beams_ended:
                 self.observer.on_finish(r)
         self.num_steps += 1
         return deltas

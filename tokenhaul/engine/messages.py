@@ -26,6 +26,7 @@ class RequestDelta:
     finished: bool = False
     finish_reason: str | None = None
     samples: list[Sample] = field(default_factory=list)
+    beams: list[tuple[list[int], float]] | None = None  # beam search: (token ids, score) of the best n
 
 
 @dataclass(frozen=True)

@@ -103,6 +103,13 @@ class Scheduler:
         self._finish(req, reason)
         return req
 
+    def adopt(self, req: Request) -> None:
+        """Run a request that already holds (forked) KV blocks from the next step on, skipping the
+        waiting queue: a new beam of a beam group (decoding/beam.py)."""
+        self.requests[req.request_id] = req
+        req.status = Status.RUNNING
+        self.running.append(req)
+
     def has_unfinished(self) -> bool:
         return bool(self.waiting or self.running)
 

@@ -7,7 +7,7 @@ from __future__ import annotations
 import time
 
 from tokenhaul.engine.messages import RequestDelta
-from tokenhaul.outputs import RequestOutput, TokenLogprob
+from tokenhaul.outputs import BeamOutput, RequestOutput, TokenLogprob
 from tokenhaul.sampling_params import SamplingParams
 from tokenhaul.text.detokenizer import Detokenizer
 from tokenhaul.text.tokenizer import Tokenizer
@@ -44,6 +44,10 @@ class OutputProcessor:
             out.token_ids += d.new_token_ids
             if out.logprobs is not None:
                 out.logprobs += [TokenLogprob(s.token, s.logprob, s.top_logprobs) for s in d.samples]
+            if d.beams is not None:
+                skip = self._params[d.request_id].skip_special_tokens
+                out.beams = [BeamOutput(ids, self.tokenizer.decode(ids, skip_special_tokens=skip), score)
+                             for ids, score in d.beams]
             t1 = time.perf_counter()
             text = detok.push(d.new_token_ids)
             if detok.stopped:

@@ -1,0 +1,184 @@
+"""Beam search on a tiny random model: the engine's beams equal a plain-Python reference of
+transformers' rule (fresh full forwards, lists and sorting), whatever else is batched, under
+preemption, and every KV block comes back after finishing and after an abort."""
+
+import pytest
+import torch
+from drive import run_requests
+from tiny_models import tiny_model
+
+from tokenhaul.config import EngineConfig
+from tokenhaul.engine.core import EngineCore
+from tokenhaul.errors import RequestError
+from tokenhaul.sampling_params import SamplingParams
+
+PROMPTS = [[5, 6, 7, 8, 9, 10], [11, 3, 40, 2, 2, 70, 71, 72, 9], [1, 2], [60, 61, 62, 63, 64, 65, 66, 67, 68, 69, 70]]
+
+
+def core_with(**kw) -> EngineCore:
+    cfg = EngineConfig(model="tiny", dtype="fp32", **({"num_kv_blocks": 96, "block_size": 4} | kw))
+    return EngineCore(cfg, tiny_model())
+
+
+def beam(width=3, max_tokens=10, stops=(3,), n=None, early=False):
+    return SamplingParams(max_tokens=max_tokens, use_beam_search=True, beam_width=width, n=n or width,
+                          stop_token_ids=list(stops), early_stopping=early)
+
+
+class Recorder:
+    def __init__(self):
+        self.copies = self.finished = 0
+
+    def on_step(self, record):
+        self.copies += record.kv_copy_tokens
+
+    def on_finish(self, request):
+        self.finished += 1
+
+
+def last_logits(core: EngineCore, ids: list[int]) -> torch.Tensor:
+    """A fresh forward of ids (one prefill) → the logits of the next token."""
+    core.add_request("ref", ids, SamplingParams(max_tokens=1))
+    inp = core.runner.prepare(core.scheduler.schedule())
+    logits = core.runner.forward(inp)[-1]
+    core.abort("ref")
+    return logits
+
+
+def reference(prompt, p: SamplingParams) -> list[tuple[list[int], float]]:
+    """transformers' num_beams rule, written plainly: candidates sorted, stops to hypotheses, stop rule."""
+    core, W, stops = core_with(enable_prefix_caching=False), p.beam_width, set(p.stop_token_ids)
+    running, hyps = [([], 0.0)], []
+    for gen in range(p.max_tokens):
+        cands = []
+        for toks, s in running:
+            lp = torch.log_softmax(last_logits(core, prompt + toks), -1).tolist()
+            cands += [(s + x, toks + [t]) for t, x in enumerate(lp)]
+        cands = sorted(cands, key=lambda c: -c[0])[:max(2, 1 + len(stops)) * W]
+        stopped = [gen + 1 >= p.max_tokens or t[-1] in stops for _, t in cands]
+        if not (p.early_stopping and len(hyps) == W):
+            hyps += [(s / (gen + 1) ** p.length_penalty, t) for (s, t), stop in zip(cands[:W], stopped) if stop]
+        hyps = sorted(hyps, key=lambda h: -h[0])[:W]
+        running = [(t, s) for (s, t), stop in zip(cands, stopped) if not stop][:W]
+        if all(stopped) or (p.early_stopping and len(hyps) == W):
+            break
+        if len(hyps) == W and running[0][1] / (gen + 1) ** p.length_penalty <= hyps[-1][0]:
+            break
+    return [(t, s) for s, t in hyps][:p.n]
+
+
+def run_beams(core: EngineCore, prompts, params) -> list[list[tuple[list[int], float]]]:
+    for i, (pr, p) in enumerate(zip(prompts, params)):
+        core.add_request(f"r{i}", pr, p)
+    out = {}
+    while core.has_unfinished():
+        for d in core.step():
+            if d.finished:
+                out[d.request_id] = d.beams if d.beams is not None else d.new_token_ids
+    return [out[f"r{i}"] for i in range(len(prompts))]
+
+
+def same(got, want):
+    assert [t for t, _ in got] == [t for t, _ in want]
+    assert all(abs(a - b) < 1e-4 for (_, a), (_, b) in zip(got, want))
+
+
+@pytest.mark.parametrize("params", [beam(3, 10, (42,)), beam(2, 8, ()), beam(4, 9, (79, 20), n=2),
+                                    beam(3, 12, (42, 79), early=True), beam(3, 30, (42, 79, 20))],
+                         ids=["w3-stop", "w2", "w4-n2", "early", "stop-rule"])
+def test_equals_reference(params):
+    core = core_with()
+    core.observer = rec = Recorder()
+    got = run_beams(core, PROMPTS[:2], [params] * 2)
+    for pr, g in zip(PROMPTS[:2], got):
+        same(g, reference(pr, params))
+    assert rec.copies > 0  # beams shared a parent's last block and copied it on write
+    if params.max_tokens == 30:  # the search ended because no running beam could beat the finished ones
+        assert core.num_steps < 30
+    assert core.pool.num_used == 0
+
+
+def test_width_one_is_greedy():
+    plain = run_requests(core_with(), PROMPTS, SamplingParams(max_tokens=12, temperature=0, ignore_eos=True))
+    got = run_beams(core_with(), PROMPTS, [SamplingParams(max_tokens=12, use_beam_search=True, beam_width=1,
+                                                          ignore_eos=True)] * len(PROMPTS))
+    assert [g[0][0] for g in got] == plain
+
+
+def test_batch_invariant_under_preemption_and_no_leak():
+    params = [beam(3, 10, (3,)), SamplingParams(max_tokens=10, temperature=0, ignore_eos=True),
+              beam(4, 10, (16,), n=2), beam(2, 10, ())]
+    alone = [run_beams(core_with(), [pr], [p])[0] for pr, p in zip(PROMPTS, params)]
+    core = core_with(num_kv_blocks=20)  # too few for all beams at once: preemption and recompute
+    core.observer = rec = Recorder()
+    mixed = run_beams(core, PROMPTS, params)
+    assert core.scheduler.num_preemptions > 0
+    for a, m in zip(alone, mixed):
+        if isinstance(a, list) and a and isinstance(a[0], tuple):
+            same(m, a)
+        else:
+            assert m == a
+    assert core.pool.num_used == 0 and core.pool.num_free == core.pool.num_blocks
+    assert core.request_ids() == [] and not core.beams.owner
+    assert rec.finished == 3 + 1 + 4 + 2  # every beam and the plain request reported their end
+
+
+def test_abort_mid_search_frees_every_block():
+    core = core_with()
+    core.add_request("b", PROMPTS[0], beam(4, 30, ()))
+    core.add_request("p", PROMPTS[1], SamplingParams(max_tokens=30, temperature=0, ignore_eos=True))
+    for _ in range(5):
+        core.step()
+    assert len(core.beams.groups["b"].beams) == 4 and core.request_ids() == ["p", "b"]
+    core.abort("b")
+    core.abort("p")
+    assert core.pool.num_used == 0 and not core.has_unfinished() and not core.beams.groups
+
+
+@pytest.mark.parametrize("kw", [dict(speculative="jacobi"), dict(repetition_penalty=1.2), dict(logprobs=1),
+                                dict(n=5, beam_width=4)])
+def test_refused_combinations(kw):
+    with pytest.raises(RequestError):
+        SamplingParams(use_beam_search=True, **kw)
+
+
+def test_n_above_one_needs_beam_search():
+    with pytest.raises(RequestError, match="n must be"):
+        SamplingParams(n=2)
+
+
+REAL_PROMPTS = [
+    "The capital of France is",
+    "def fibonacci(n):",
+    "Once upon a time, in a small village,",
+    "The three primary colors are",
+    "Q: What is the boiling point of water?\nA:",
+]
+MAX_NEW = 20
+
+
+@torch.inference_mode()
+def hf_beams(hf, ids: list[int], eos: list[int]) -> list[tuple[list[int], float]]:
+    out = hf.generate(torch.tensor([ids]), num_beams=4, num_return_sequences=4, max_new_tokens=MAX_NEW,
+                      do_sample=False, length_penalty=1.0, early_stopping=False, eos_token_id=eos,
+                      pad_token_id=eos[0], return_dict_in_generate=True, output_scores=True)
+    lengths = (out.beam_indices >= 0).sum(1).tolist()
+    return [(out.sequences[i, len(ids):len(ids) + n].tolist(), float(out.sequences_scores[i]))
+            for i, n in enumerate(lengths)]
+
+
+@pytest.mark.real_model
+def test_equals_transformers_num_beams_4(smollm):
+    """transformers' num_beams=4 (fp32, the same SmolLM2 GGUF): the same 4 beams, token for token, with
+    the same scores, on 5 real prompts run together in one engine; every block back afterwards."""
+    from transformers import AutoModelForCausalLM
+
+    path = smollm.files.gguf_path
+    hf = AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name, dtype=torch.float32).eval()
+    eos = list(smollm.tokenizer.eos_token_ids)
+    outs = smollm.generate(REAL_PROMPTS, SamplingParams(max_tokens=MAX_NEW, use_beam_search=True, beam_width=4, n=4))
+    for out in outs:
+        got = [(b.token_ids, b.score) for b in out.beams]
+        same(got, hf_beams(hf, out.prompt_token_ids, eos))
+        assert out.token_ids == got[0][0] and out.text == out.beams[0].text
+    assert smollm.core.pool.num_used == 0
