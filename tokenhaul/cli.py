@@ -81,9 +81,13 @@ def cmd_generate(args: argparse.Namespace, chat: bool = False) -> None:
     if args.json:
         print(json.dumps({"text": out.text, "token_ids": out.token_ids,
                           "prompt_token_ids": out.prompt_token_ids, "finish_reason": out.finish_reason,
+                          "beams": [{"text": b.text, "token_ids": b.token_ids, "score": b.score}
+                                    for b in out.beams or []],
                           "ledger": out.ledger.summary() | {"load_seconds": load_s}}, ensure_ascii=False))
         return
     print(out.text)
+    for i, b in enumerate((out.beams or [])[1:], 2):
+        print(f"\n[beam {i}] score {b.score:.4f}\n{b.text}")
     if args.ledger:
         print(f"\n[ledger] {llm.files.name} {args.dtype} | {out.ledger.short_line()} | "
               f"finish={out.finish_reason}", file=sys.stderr)

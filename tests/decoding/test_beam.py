@@ -182,3 +182,15 @@ def test_equals_transformers_num_beams_4(smollm):
         same(got, hf_beams(hf, out.prompt_token_ids, eos))
         assert out.token_ids == got[0][0] and out.text == out.beams[0].text
     assert smollm.core.pool.num_used == 0
+
+
+def test_reachable_from_server_body_and_cli_flags():
+    from tokenhaul.cli import build_parser, sampling_params
+    from tokenhaul.server.protocol import CompletionRequest
+
+    p = CompletionRequest(prompt="x", use_beam_search=True, beam_width=2).sampling_params(8, None)
+    assert p.use_beam_search and p.beam_width == 2 and p.length_penalty == 1.0
+    args = build_parser().parse_args(["generate", "--prompt", "x", "--use-beam-search", "--beam-width", "3",
+                                      "--n", "2", "--length-penalty", "0.5"])
+    p = sampling_params(args)
+    assert (p.use_beam_search, p.beam_width, p.n, p.length_penalty, p.early_stopping) == (True, 3, 2, 0.5, False)

@@ -46,6 +46,9 @@ class _SamplingFields(_Body):
     stop_token_ids: list[int] | None = None
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
+    use_beam_search: bool = False  # tokenhaul: transformers' num_beams semantics; each choice is the best beam
+    beam_width: int | None = None
+    length_penalty: float | None = None
 
     def sampling_params(self, max_tokens: int, logprobs: int | None, index: int = 0) -> SamplingParams:
         """SamplingParams of choice `index` (seeds differ per choice: seed + index)."""
@@ -54,7 +57,8 @@ class _SamplingFields(_Body):
             k: v for k, v in (("temperature", self.temperature), ("top_p", self.top_p),
                               ("presence_penalty", self.presence_penalty),
                               ("frequency_penalty", self.frequency_penalty), ("top_k", self.top_k),
-                              ("min_p", self.min_p), ("repetition_penalty", self.repetition_penalty))
+                              ("min_p", self.min_p), ("repetition_penalty", self.repetition_penalty),
+                              ("beam_width", self.beam_width), ("length_penalty", self.length_penalty))
             if v is not None
         }
         stop = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
@@ -63,7 +67,8 @@ class _SamplingFields(_Body):
         return SamplingParams(max_tokens=max_tokens, seed=seed, stop=stop, logprobs=logprobs,
                               ignore_eos=self.ignore_eos, stop_token_ids=list(self.stop_token_ids or []),
                               skip_special_tokens=self.skip_special_tokens,
-                              include_stop_str_in_output=self.include_stop_str_in_output, **kw)
+                              include_stop_str_in_output=self.include_stop_str_in_output,
+                              use_beam_search=self.use_beam_search, **kw)
 
 
 class CompletionRequest(_SamplingFields):
