@@ -9,7 +9,7 @@ from tiny_models import tiny_model
 
 from tokenhaul.config import EngineConfig
 from tokenhaul.engine.core import EngineCore
-from tokenhaul.errors import RequestError
+from tokenhaul.errors import CapacityError, RequestError
 from tokenhaul.sampling_params import SamplingParams
 
 PROMPTS = [[5, 6, 7, 8, 9, 10], [11, 3, 40, 2, 2, 70, 71, 72, 9], [1, 2], [60, 61, 62, 63, 64, 65, 66, 67, 68, 69, 70]]
@@ -133,6 +133,12 @@ def test_abort_mid_search_frees_every_block():
     core.abort("b")
     core.abort("p")
     assert core.pool.num_used == 0 and not core.has_unfinished() and not core.beams.groups
+
+
+def test_group_that_cannot_fit_is_refused():
+    with pytest.raises(CapacityError, match="beam search needs 21 KV blocks"):  # 1 shared + 4 x (6 - 1)
+        core_with(num_kv_blocks=20).add_request("b", PROMPTS[0], beam(4, 18, ()))
+    core_with(num_kv_blocks=21).add_request("b", PROMPTS[0], beam(4, 18, ()))
 
 
 @pytest.mark.parametrize("kw", [dict(speculative="jacobi"), dict(repetition_penalty=1.2), dict(logprobs=1),

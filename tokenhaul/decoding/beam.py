@@ -22,6 +22,7 @@ import torch
 from tokenhaul.engine.messages import RequestDelta, Sample
 from tokenhaul.engine.request import Request, Status
 from tokenhaul.engine.scheduler import ScheduledChunk, Scheduler
+from tokenhaul.errors import CapacityError, RequestError
 from tokenhaul.sampling_params import SamplingParams
 
 NEG = -1.0e9  # transformers' "impossible" score
@@ -110,10 +111,14 @@ class BeamSearch:
     def add(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
             eos_token_ids: tuple[int, ...], priority: int) -> None:
         """Queue a beam search request: its first beam (the prompt) goes to the scheduler."""
-        from tokenhaul.errors import RequestError
-
         if request_id in self.groups:
             raise RequestError(f"duplicate request id {request_id!r}")
+        total = min(len(prompt_token_ids) + params.max_tokens, self.max_model_len)
+        shared = len(prompt_token_ids) // self.kv.block_size  # full prompt blocks, shared by every beam
+        need = shared + params.beam_width * (self.kv.blocks_for(total) - shared)
+        if need > self.kv.num_blocks:  # all beams must fit at once, or the group could never step
+            raise CapacityError(f"beam search needs {need} KV blocks ({params.beam_width} beams of {total} "
+                                f"tokens) but the pool has only {self.kv.num_blocks}")
         root = Request(f"{request_id}#0", list(prompt_token_ids), params, tuple(eos_token_ids), priority)
         self.scheduler.add(root)
         stops = set(params.stop_token_ids) | (set() if params.ignore_eos else set(eos_token_ids))
