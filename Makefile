@@ -8,7 +8,7 @@ TEST_MODELS := smollm2-135m gemma3-270m qwen2.5-coder-0.5b
 .venv/.installed: pyproject.toml
 	python3.11 -m venv .venv
 	$(PIP) install -q --upgrade pip
-	$(PIP) install -q -e '.[dev,bench]'
+	$(PIP) install -q -e '.[dev,bench,ray]'
 	touch $@
 
 install: .venv/.installed

@@ -1,0 +1,119 @@
+"""EngineClient: the front end's one interface to engine cores, whatever runs them — a thread in this
+process (`InProcessClient`) or Ray actors on one or many machines (`cluster.pool.ReplicaPool`).
+
+    front end ──add(AddRequest) / abort(id)──► client ──► core(s)
+        ▲                                                    │
+        └──────────── on_outputs(CoreOutputs), on the front end's event loop ◄┘
+
+Everything that crosses is a message of `engine/messages.py`; the front end reads the cores' state
+only through `replicas()` snapshots, never their scheduler, pool or model."""
+
+from __future__ import annotations
+
+import asyncio
+from abc import ABC, abstractmethod
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from tokenhaul.engine.messages import AddRequest, CoreLimits, CoreOutputs, CoreStats
+
+OnOutputs = Callable[[CoreOutputs], None]
+
+
+@dataclass(frozen=True)
+class ReplicaState:
+    """One core as the front end sees it: a name (the `x-tokenhaul-replica` header), up or not,
+    its latest stats snapshot, and where it runs."""
+
+    name: str
+    up: bool
+    stats: CoreStats
+    where: str = "in-process"
+
+
+class EngineClient(ABC):
+    """Called from one event loop (the serving one), except `run`."""
+
+    limits: CoreLimits
+
+    @abstractmethod
+    async def start(self, on_outputs: OnOutputs, start_core: bool = True) -> None:
+        """Bind to the running loop and start delivering outputs to `on_outputs` there. With
+        start_core=False an in-process core waits for `run()` to step it in the caller's thread."""
+
+    @abstractmethod
+    def add(self, msg: AddRequest) -> str:
+        """Send a request to a core; returns the name of the replica it went to."""
+
+    @abstractmethod
+    def abort(self, request_id: str, reason: str = "abort") -> None:
+        """Finish a request now (a no-op if it already finished); its KV blocks are freed."""
+
+    @property
+    @abstractmethod
+    def alive(self) -> bool:
+        """At least one core can take requests."""
+
+    @abstractmethod
+    def replicas(self) -> list[ReplicaState]:
+        """The latest snapshot of every core."""
+
+    def routing(self) -> dict[str, int]:
+        """Routing decisions by kind since start (empty when there is nothing to route)."""
+        return {}
+
+    def run(self) -> None:
+        """Block the calling thread until `shutdown()`, doing there whatever this client needs a
+        thread for (the in-process client steps its core here)."""
+
+    @abstractmethod
+    async def shutdown(self) -> None:
+        """Stop the cores; requests still running are lost (the front end fails them first)."""
+
+
+class InProcessClient(EngineClient):
+    """One EngineCore stepped by a CoreThread in this process (its own thread, or `run()`'s)."""
+
+    NAME = "0"
+
+    def __init__(self, core) -> None:  # EngineCore; not imported here so that this module stays torch-free
+        from tokenhaul.server.core_thread import CoreThread
+
+        self.limits = core.limits()
+        self.core_thread = CoreThread(core, self._from_core_thread)
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._on_outputs: OnOutputs | None = None
+
+    async def start(self, on_outputs: OnOutputs, start_core: bool = True) -> None:
+        self._loop, self._on_outputs = asyncio.get_running_loop(), on_outputs
+        if start_core:
+            self.core_thread.start()
+
+    def _from_core_thread(self, out: CoreOutputs) -> None:
+        """On the core thread: hand the step's outputs to the event loop, never wait for it."""
+        loop = self._loop
+        if loop is not None and not loop.is_closed():
+            try:
+                loop.call_soon_threadsafe(self._on_outputs, out)
+            except RuntimeError:  # the loop closed between the check and the call
+                pass
+
+    def add(self, msg: AddRequest) -> str:
+        self.core_thread.add(msg)
+        return self.NAME
+
+    def abort(self, request_id: str, reason: str = "abort") -> None:
+        self.core_thread.abort(request_id, reason)
+
+    @property
+    def alive(self) -> bool:
+        return self.core_thread.alive
+
+    def replicas(self) -> list[ReplicaState]:
+        return [ReplicaState(self.NAME, self.core_thread.alive, self.core_thread.stats)]
+
+    def run(self) -> None:
+        self.core_thread.run()
+
+    async def shutdown(self) -> None:
+        await asyncio.to_thread(self.core_thread.shutdown)
