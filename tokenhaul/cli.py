@@ -186,8 +186,15 @@ def cmd_serve(args: argparse.Namespace) -> None:
     from tokenhaul.server.app import serve
     from tokenhaul.server.async_engine import AsyncEngine
 
-    engine = AsyncEngine.from_model(args.model, args.served_model_name, args.max_waiting,
-                                    request_timeout=args.request_timeout, **engine_kwargs(args))
+    if args.replicas:
+        from tokenhaul.cluster.pool import ReplicaPool
+
+        pool = ReplicaPool(args.model, args.replicas, engine_kwargs(args), args.ray_address, args.routing)
+        engine = AsyncEngine.from_client(pool, args.model, args.served_model_name, args.max_waiting,
+                                         request_timeout=args.request_timeout)
+    else:
+        engine = AsyncEngine.from_model(args.model, args.served_model_name, args.max_waiting,
+                                        request_timeout=args.request_timeout, **engine_kwargs(args))
     serve(engine, args.host, args.port, args.log_level, args.access_log, args.shutdown_timeout)
 
 
@@ -242,6 +249,13 @@ def build_parser() -> argparse.ArgumentParser:
                    help="on SIGTERM/SIGINT: seconds to let requests in flight finish (new ones get 503), then exit 0")
     s.add_argument("--log-level", default="info")
     s.add_argument("--access-log", action="store_true")
+    s.add_argument("--replicas", type=int, default=0,
+                   help="N engine replicas as Ray actors (each --threads threads, its own KV cache) behind this "
+                        "endpoint; needs the `ray` extra")
+    s.add_argument("--ray-address", default=None,
+                   help="join this Ray cluster (`ray start --head` ...); default: start a local Ray instance")
+    s.add_argument("--routing", default="cache_aware", choices=["cache_aware", "least_loaded", "round_robin"],
+                   help="how --replicas picks a replica for a request")
     s.set_defaults(func=cmd_serve)
     b = sub.add_parser("bench", help="benchmarks: `bench serve` (load generator for OpenAI-compatible servers)")
     bsub = b.add_subparsers(dest="bench_command", required=True)

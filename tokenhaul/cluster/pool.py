@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import os
 import threading
 from dataclasses import dataclass
 
@@ -57,18 +56,19 @@ class ReplicaPool(EngineClient):
         kwargs = dict(engine_kwargs or {})
         threads = kwargs.get("threads") or 1
         kwargs["threads"] = threads
+        self._stopped = threading.Event()
         self._own_ray = not ray.is_initialized()
         if self._own_ray:
             local = {} if address else {"num_cpus": replicas * threads}
             # the workers inherit this environment (PYTHONPATH, OMP_WAIT_POLICY) through the raylet
-            ray.init(address=address, include_dashboard=False, logging_level=logging.WARNING, **local)
+            ray.init(address=address or "local", include_dashboard=False, logging_level=logging.WARNING, **local)
         self.max_retries = max_retries
         actor = ray.remote(EngineReplica).options(num_cpus=threads, max_restarts=max_restarts,
                                                   scheduling_strategy="SPREAD")
         self.names = [str(i) for i in range(replicas)]
         self._actors = {n: actor.remote(n, model, kwargs) for n in self.names}
         try:
-            infos = ray.get([a.ready.remote() for a in self._actors.values()])
+            infos = [self._first_ready(ray, a) for a in self._actors.values()]
         except Exception as e:
             self._stop_ray()
             raise TokenhaulError(f"an engine replica did not start: {e}") from None
@@ -87,7 +87,16 @@ class ReplicaPool(EngineClient):
         self._on_outputs: OnOutputs | None = None
         self._tasks: list[asyncio.Task] = []
         self._closing = False
-        self._stopped = threading.Event()
+
+    @staticmethod
+    def _first_ready(ray, actor) -> ReplicaInfo:
+        """Wait for a replica's model; a restart meanwhile (Ray's OOM killer on a crowded node) is waited out."""
+        for _ in range(5):
+            try:
+                return ray.get(actor.ready.remote())
+            except ray.exceptions.ActorUnavailableError:
+                continue
+        return ray.get(actor.ready.remote())
 
     # EngineClient ------------------------------------------------------------------------------
     async def start(self, on_outputs: OnOutputs, start_core: bool = True) -> None:
@@ -250,7 +259,3 @@ class ReplicaPool(EngineClient):
             log.warning("replica %s is back (pid %d on %s)", name, info.pid, info.node_ip)
             return
 
-
-def pool_environment() -> dict[str, str]:
-    """What replicas on other nodes need in their environment to import this tokenhaul (for scripts)."""
-    return {k: os.environ[k] for k in ("PYTHONPATH", "OMP_WAIT_POLICY") if k in os.environ}

@@ -62,6 +62,7 @@ class EngineClient(ABC):
         """Routing decisions by kind since start (empty when there is nothing to route)."""
         return {}
 
+    @abstractmethod
     def run(self) -> None:
         """Block the calling thread until `shutdown()`, doing there whatever this client needs a
         thread for (the in-process client steps its core here)."""

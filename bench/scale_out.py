@@ -1,0 +1,180 @@
+"""Scale out on Ray, measured at the engine-client seam (no HTTP, no tokenizer: the same AddRequests
+go to every setup through the one EngineClient interface the server uses).
+
+  1. Ray's cost per request: sequential 1-token requests, in-process core vs one Ray replica.
+  2. Same 2 cores: 1 replica x 2 threads vs 2 replicas x 1 thread (cache-aware routing).
+  3. 2 replicas x 1 thread, cache-aware vs round-robin, on a shared-prefix workload.
+
+Run: flock /tmp/tokenhaul-bench.lock python bench/scale_out.py [--requests 48 --concurrency 8]"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import random
+import statistics
+import time
+from dataclasses import dataclass
+
+from tokenhaul.engine.client import EngineClient, InProcessClient
+from tokenhaul.engine.messages import AddRequest, CoreOutputs
+from tokenhaul.sampling_params import SamplingParams
+
+MODEL = "smollm2-135m"
+ENGINE = {"num_kv_blocks": 512, "max_model_len": 2048, "max_num_seqs": 16}
+
+
+@dataclass
+class Run:
+    name: str
+    ttft: list[float]
+    e2e_s: float
+    out_tokens: int
+    hit_rate: float
+    per_replica: dict[str, int]
+
+    def row(self) -> str:
+        q = statistics.quantiles(self.ttft, n=100)
+        spread = " / ".join(f"{n}:{c}" for n, c in sorted(self.per_replica.items()))
+        return (f"| {self.name} | {self.out_tokens / self.e2e_s:.1f} | {q[49] * 1000:.0f} | {q[98] * 1000:.0f} | "
+                f"{self.hit_rate:.0%} | {spread} |")
+
+
+def workload(n: int, groups: int, prefix_len: int, suffix_len: int, seed: int = 0) -> list[list[int]]:
+    """n prompts: one of `groups` shared prefixes (a long system prompt) + a distinct suffix each."""
+    rng = random.Random(seed)
+    prefixes = [[rng.randrange(100, 40000) for _ in range(prefix_len)] for _ in range(groups)]
+    order = [i % groups for i in range(n)]
+    rng.shuffle(order)  # arrivals interleave the groups at random, as users do
+    return [prefixes[g] + [rng.randrange(100, 40000) for _ in range(suffix_len)] for g in order]
+
+
+class Driver:
+    """Feeds AddRequests to a started client and times them (TTFT, end to end) on its event loop."""
+
+    def __init__(self, client: EngineClient) -> None:
+        self.client = client
+        self.first: dict[str, float] = {}
+        self.done: dict[str, asyncio.Future] = {}
+        self.tokens = 0
+
+    async def __aenter__(self) -> Driver:
+        await self.client.start(self._on_outputs)
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.client.shutdown()
+
+    def _on_outputs(self, out: CoreOutputs) -> None:
+        now = time.perf_counter()
+        for d in out.deltas:
+            self.first.setdefault(d.request_id, now)
+            self.tokens += len(d.new_token_ids)
+            if d.finished:
+                self.done[d.request_id].set_result(None)
+        for rid, why in out.failed:
+            self.done[rid].set_exception(RuntimeError(why))
+
+    async def run(self, prompts: list[list[int]], params: SamplingParams, concurrency: int,
+                  tag: str) -> tuple[list[float], float, int, dict[str, int]]:
+        """Closed loop, `concurrency` in flight. Returns (TTFTs, seconds, output tokens, requests per replica)."""
+        sem = asyncio.Semaphore(concurrency)
+        ttft: list[float] = []
+        per: dict[str, int] = {}
+        tokens0 = self.tokens
+
+        async def one(i: int, p: list[int]) -> None:
+            async with sem:
+                rid = f"{tag}-{i}"
+                self.done[rid] = asyncio.get_running_loop().create_future()
+                t0 = time.perf_counter()
+                name = self.client.add(AddRequest(rid, p, params))
+                per[name] = per.get(name, 0) + 1
+                await self.done[rid]
+                ttft.append(self.first[rid] - t0)
+
+        t0 = time.perf_counter()
+        await asyncio.gather(*(one(i, p) for i, p in enumerate(prompts)))
+        return ttft, time.perf_counter() - t0, self.tokens - tokens0, per
+
+
+def hit_rate(client: EngineClient, before: dict) -> float:
+    hit = sum(r.stats.prefix_hit_tokens - before[r.name][0] for r in client.replicas())
+    query = sum(r.stats.prefix_query_tokens - before[r.name][1] for r in client.replicas())
+    return hit / query if query else 0.0
+
+
+async def measure(client: EngineClient, name: str, prompts, params, concurrency: int) -> Run:
+    async with Driver(client) as d:
+        await d.run(workload(2, 2, 32, 8, seed=99), SamplingParams(max_tokens=2, temperature=0), 2, "warm")
+        await asyncio.sleep(1.2)  # a fresh stats snapshot from every replica (polls return at least every 1 s)
+        before = {r.name: (r.stats.prefix_hit_tokens, r.stats.prefix_query_tokens) for r in client.replicas()}
+        ttft, secs, toks, per = await d.run(prompts, params, concurrency, "run")
+        await asyncio.sleep(1.2)
+        return Run(name, ttft, secs, toks, hit_rate(client, before), per)
+
+
+async def latency(client: EngineClient, n: int) -> float:
+    """Mean ms of a sequential 1-token request (prompt of 8 tokens): the per-request floor."""
+    params = SamplingParams(max_tokens=1, temperature=0)
+    async with Driver(client) as d:
+        await d.run(workload(3, 3, 8, 0, seed=7), params, 1, "warm")
+        t0 = time.perf_counter()
+        await d.run(workload(n, n, 8, 0, seed=3), params, 1, "lat")
+        return (time.perf_counter() - t0) / n * 1000
+
+
+def in_process(threads: int) -> InProcessClient:
+    import torch
+
+    from tokenhaul.llm import LLM
+
+    torch.set_num_threads(threads)
+    return InProcessClient(LLM(MODEL, threads=threads, **ENGINE).core)
+
+
+def pool(replicas: int, threads: int, policy: str = "cache_aware"):
+    from tokenhaul.cluster.pool import ReplicaPool
+
+    return ReplicaPool(MODEL, replicas, ENGINE | {"threads": threads}, policy=policy)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--requests", type=int, default=48)
+    ap.add_argument("--concurrency", type=int, default=8)
+    ap.add_argument("--groups", type=int, default=4, help="distinct shared prefixes")
+    ap.add_argument("--prefix-len", type=int, default=384)
+    ap.add_argument("--suffix-len", type=int, default=24)
+    ap.add_argument("--max-tokens", type=int, default=16)
+    ap.add_argument("--latency-requests", type=int, default=40)
+    args = ap.parse_args()
+    import ray
+
+    ray.init(address="local", num_cpus=2, include_dashboard=False, logging_level="warning")
+    prompts = workload(args.requests, args.groups, args.prefix_len, args.suffix_len)
+    params = SamplingParams(max_tokens=args.max_tokens, temperature=0, ignore_eos=True)
+
+    lat_local = asyncio.run(latency(in_process(1), args.latency_requests))
+    lat_ray = asyncio.run(latency(pool(1, 1), args.latency_requests))
+    print("\n## Ray's cost per request (sequential 1-token requests, 8-token prompts, 1 thread)\n")
+    print("| setup | ms / request |\n|---|---|")
+    print(f"| in-process core (thread) | {lat_local:.2f} |\n| 1 Ray replica | {lat_ray:.2f} |")
+    print(f"| **Ray's cost** | **{lat_ray - lat_local:.2f}** |")
+
+    runs = [asyncio.run(measure(pool(1, 2), "1 replica x 2 threads", prompts, params, args.concurrency)),
+            asyncio.run(measure(pool(2, 1), "2 replicas x 1 thread, cache-aware", prompts, params,
+                                args.concurrency)),
+            asyncio.run(measure(pool(2, 1, "round_robin"), "2 replicas x 1 thread, round-robin", prompts, params,
+                                args.concurrency))]
+    print(f"\n## {args.requests} requests, {args.concurrency} in flight, {args.groups} shared prefixes of "
+          f"{args.prefix_len} tokens + {args.suffix_len} distinct, {args.max_tokens} new tokens, greedy\n")
+    print("| setup | out tok/s | TTFT p50 ms | TTFT p99 ms | prefix hit rate | requests per replica |")
+    print("|---|---|---|---|---|---|")
+    for r in runs:
+        print(r.row())
+    ray.shutdown()
+
+
+if __name__ == "__main__":
+    main()
