@@ -114,14 +114,22 @@ async def measure(client: EngineClient, name: str, prompts, params, concurrency:
         return Run(name, ttft, secs, toks, hit_rate(client, before), per)
 
 
-async def latency(client: EngineClient, n: int) -> float:
-    """Mean ms of a sequential 1-token request (prompt of 8 tokens): the per-request floor."""
+def step_seconds(client: EngineClient) -> float:
+    return sum(r.stats.step_seconds for r in client.replicas())
+
+
+async def latency(client: EngineClient, n: int) -> tuple[float, float]:
+    """Sequential 1-token requests (8-token prompts): mean ms per request, in all and inside the
+    core's steps. The difference is what the path around the core costs; steps vary with load."""
     params = SamplingParams(max_tokens=1, temperature=0)
     async with Driver(client) as d:
         await d.run(workload(3, 3, 8, 0, seed=7), params, 1, "warm")
-        t0 = time.perf_counter()
+        await asyncio.sleep(1.2)
+        s0, t0 = step_seconds(client), time.perf_counter()
         await d.run(workload(n, n, 8, 0, seed=3), params, 1, "lat")
-        return (time.perf_counter() - t0) / n * 1000
+        wall = time.perf_counter() - t0
+        await asyncio.sleep(1.2)  # the replicas' last stats (with the last step's time) come with a poll
+        return wall / n * 1000, (step_seconds(client) - s0) / n * 1000
 
 
 def in_process(threads: int) -> InProcessClient:
@@ -155,12 +163,14 @@ def main() -> None:
     prompts = workload(args.requests, args.groups, args.prefix_len, args.suffix_len)
     params = SamplingParams(max_tokens=args.max_tokens, temperature=0, ignore_eos=True)
 
-    lat_local = asyncio.run(latency(in_process(1), args.latency_requests))
-    lat_ray = asyncio.run(latency(pool(1, 1), args.latency_requests))
+    local = asyncio.run(latency(in_process(1), args.latency_requests))
+    remote = asyncio.run(latency(pool(1, 1), args.latency_requests))
     print("\n## Ray's cost per request (sequential 1-token requests, 8-token prompts, 1 thread)\n")
-    print("| setup | ms / request |\n|---|---|")
-    print(f"| in-process core (thread) | {lat_local:.2f} |\n| 1 Ray replica | {lat_ray:.2f} |")
-    print(f"| **Ray's cost** | **{lat_ray - lat_local:.2f}** |")
+    print("| setup | ms / request | in core steps | outside the steps |\n|---|---|---|---|")
+    for name, (wall, step) in (("in-process core (thread)", local), ("1 Ray replica (actor)", remote)):
+        print(f"| {name} | {wall:.2f} | {step:.2f} | {wall - step:.2f} |")
+    cost = (remote[0] - remote[1]) - (local[0] - local[1])
+    print(f"| **Ray's cost (difference outside the steps)** | | | **{cost:.2f}** |")
 
     runs = [asyncio.run(measure(pool(1, 2), "1 replica x 2 threads", prompts, params, args.concurrency)),
             asyncio.run(measure(pool(2, 1), "2 replicas x 1 thread, cache-aware", prompts, params,

@@ -120,7 +120,7 @@ class ReplicaPool(EngineClient):
         return not self._closing and any(self._up.values())
 
     def replicas(self) -> list[ReplicaState]:
-        return [ReplicaState(n, self._up[n], self._stats[n], f"{self._info[n].node_ip} pid {self._info[n].pid}")
+        return [ReplicaState(n, self._up[n], self._stats[n], self._where(n))
                 for n in self.names]
 
     def routing(self) -> dict[str, int]:
@@ -129,8 +129,9 @@ class ReplicaPool(EngineClient):
                 "round_robin": c.round_robin, "retried": self.num_retried,
                 "replica_failures": self.num_replica_failures}
 
-    def info(self, name: str) -> ReplicaInfo:
-        return self._info[name]
+    def _where(self, name: str) -> str:
+        i = self._info[name]
+        return f"node {i.node_id[:12]} ({i.node_ip}) pid {i.pid}, {i.threads} threads"
 
     def run(self) -> None:
         self._stopped.wait()
@@ -153,7 +154,9 @@ class ReplicaPool(EngineClient):
         self._stopped.set()
 
     def kill(self, name: str) -> None:
-        """Kill one replica's process as a crash would (Ray restarts it); for tests and drills."""
+        """Kill one replica's process as a crash would (Ray restarts it); for tests and drills. Its
+        requests are moved or failed at once, as if its death had been seen."""
+        self._replica_down(name, "killed")
         import_ray().kill(self._actors[name], no_restart=False)
 
     # sending: one submit() per replica per event-loop turn ------------------------------------
@@ -212,7 +215,7 @@ class ReplicaPool(EngineClient):
         if out.dead is not None:  # the step loop died but the process lives: restart it
             log.error("replica %s: %s; restarting it", name, out.dead)
             self._replica_down(name, out.dead)
-            self.kill(name)
+            import_ray().kill(self._actors[name], no_restart=False)
 
     def _end(self, request_id: str) -> None:
         t = self._tracks.pop(request_id)
