@@ -63,7 +63,7 @@ class Driver:
         return self
 
     async def __aexit__(self, *exc: object) -> None:
-        await self.client.shutdown()
+        await asyncio.to_thread(self.client.close)
 
     def _on_outputs(self, out: CoreOutputs) -> None:
         now = time.perf_counter()

@@ -83,11 +83,11 @@ def wait_idle(engine: AsyncEngine, timeout: float = 30.0) -> None:
     """Until the front end has no requests and the core's snapshot shows an empty batch."""
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
-        s = engine.core_thread.stats
+        s = engine.client.core_thread.stats
         if engine.num_unfinished == 0 and s.num_running == 0 and s.num_waiting == 0:
             return
         time.sleep(0.02)
-    raise AssertionError(f"engine not idle after {timeout} s: {engine.core_thread.stats}")
+    raise AssertionError(f"engine not idle after {timeout} s: {engine.client.core_thread.stats}")
 
 
 def script_engine(tokenizer: Tokenizer, max_waiting: int = 256, **config) -> tuple[AsyncEngine, ScriptModel]:

@@ -124,7 +124,7 @@ def test_engine_down_is_503(tokenizer):
     engine, _ = script_engine(tokenizer)
     with ServerThread(build_app(engine)) as srv, httpx.Client(timeout=30) as c:
         assert c.get(srv.url + "/health").status_code == 200
-        engine.core_thread.shutdown()
+        engine.client.core_thread.shutdown()
         check_error(c.get(srv.url + "/health"), 503, code="engine_unavailable")
         check_error(c.post(srv.url + CMPL, json={"prompt": "x"}), 503, code="engine_unavailable")
 

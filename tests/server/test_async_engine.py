@@ -24,11 +24,11 @@ def run(coro):
 
 async def _idle(engine) -> None:
     for _ in range(3000):
-        s = engine.core_thread.stats
+        s = engine.client.core_thread.stats
         if engine.num_unfinished == 0 and s.num_running == 0 and s.num_waiting == 0:
             return
         await asyncio.sleep(0.01)
-    raise AssertionError(f"not idle: {engine.core_thread.stats}")
+    raise AssertionError(f"not idle: {engine.client.core_thread.stats}")
 
 
 def test_generate_runs_steps_only_in_core_thread(tokenizer):
@@ -67,7 +67,7 @@ def test_abort_on_close_frees_kv_blocks(tokenizer):
                         break
             assert engine.num_unfinished == 0
             await _idle(engine)
-            return engine.core_thread.stats
+            return engine.client.core_thread.stats
         finally:
             await engine.shutdown()
 
@@ -122,7 +122,7 @@ def test_core_failure_reaches_the_reader_and_server_survives(tokenizer):
         r = c.post(srv.url + "/v1/completions", json={"prompt": "Hi", "max_tokens": 5})
         assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 5
         wait_idle(engine)
-        assert engine.core_thread.stats.kv_blocks_used == 0
+        assert engine.client.core_thread.stats.kv_blocks_used == 0
 
 
 def test_engine_failed_is_raised_from_stream(tokenizer):
@@ -150,7 +150,7 @@ def test_non_streaming_client_timeout_aborts(tokenizer):
         t0 = time.monotonic()
         wait_idle(engine, timeout=10)
         assert time.monotonic() - t0 < 3  # aborted, not run to 200 tokens (4 s)
-        assert engine.core_thread.stats.kv_blocks_used == 0
+        assert engine.client.core_thread.stats.kv_blocks_used == 0
         assert 'tokenhaul_requests_total{finish_reason="abort"} 1.0' in c.get(srv.url + "/metrics").text
 
 

@@ -59,13 +59,13 @@ def run_core_thread(ct: CoreThread, msgs: list[AddRequest]) -> dict[str, list]:
 def test_failing_request_is_isolated_and_the_batch_goes_on(tokenizer):
     prompts = {f"ok{i}": [5 + i, 17, 300 + i, 9] * (1 + i) for i in range(6)}
     engine, model = script_engine(tokenizer)
-    alone = run_core_thread(CoreThread(engine.core_thread.core, lambda o: None),
+    alone = run_core_thread(CoreThread(engine.client.core_thread.core, lambda o: None),
                             [AddRequest(rid, p, GREEDY) for rid, p in prompts.items()])
     engine, model = script_engine(tokenizer)
     poison_when_seen(model)
     msgs = [AddRequest(rid, p, GREEDY) for rid, p in prompts.items()]
     msgs.insert(3, AddRequest("bad", [5, POISON, 7], GREEDY))
-    ct = CoreThread(engine.core_thread.core, lambda o: None)
+    ct = CoreThread(engine.client.core_thread.core, lambda o: None)
     got = run_core_thread(ct, msgs)
     assert got["bad"][0] == [] and got["bad"][1].startswith("failed: ")
     assert "bad" in got["bad"][1] and "kernel blew up" not in got["bad"][1]  # an id to find, no internals
@@ -99,7 +99,7 @@ def test_http_failure_is_generic_with_request_id_and_spares_others(tokenizer, ca
         for r in results.values():
             assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 30
         wait_idle(engine)
-        assert engine.core_thread.stats.kv_blocks_used == 0
+        assert engine.client.core_thread.stats.kv_blocks_used == 0
         assert c.get(srv.url + "/health").status_code == 200
 
 
@@ -111,7 +111,7 @@ def test_a_dead_loop_is_dead_before_its_death_is_announced(tokenizer):
 
     model.forward = die
     seen = []
-    ct = CoreThread(engine.core_thread.core, lambda out: seen.append((out.dead, ct.alive)))
+    ct = CoreThread(engine.client.core_thread.core, lambda out: seen.append((out.dead, ct.alive)))
     ct.add(AddRequest("r", [1, 2, 3], GREEDY))
     ct.run()
     assert len(seen) == 1 and seen[0][0] is not None and seen[0][1] is False

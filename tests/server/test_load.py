@@ -73,9 +73,11 @@ def test_200_concurrent_third_disconnect(real_server):
     with httpx.Client(timeout=30) as c:
         assert c.get(url + "/health").status_code == 200
         after = c.get(url + "/metrics").text
-    assert engine.core_thread.stats.kv_blocks_used == 0
-    assert metric(after, "tokenhaul_kv_blocks_used") == 0
-    assert metric(after, "tokenhaul_requests_running") == metric(after, "tokenhaul_requests_waiting") == 0
+    assert engine.client.core_thread.stats.kv_blocks_used == 0
+    replica = '{replica="0"}'
+    assert metric(after, "tokenhaul_kv_blocks_used" + replica) == 0
+    assert metric(after, "tokenhaul_requests_running" + replica) == 0
+    assert metric(after, "tokenhaul_requests_waiting" + replica) == 0
     aborted = metric(after, 'tokenhaul_requests_total{finish_reason="abort"}') - (
         metric(before, 'tokenhaul_requests_total{finish_reason="abort"}')
         if 'finish_reason="abort"' in before else 0)

@@ -136,13 +136,17 @@ class ReplicaPool(EngineClient):
     def run(self) -> None:
         self._stopped.wait()
 
-    async def shutdown(self) -> None:
+    def close(self) -> None:
         self._closing = True
-        for t in self._tasks:
-            t.cancel()
-        await asyncio.to_thread(self._stop_ray)
+        loop = self._loop
+        if loop is not None and not loop.is_closed():
+            for t in self._tasks:
+                loop.call_soon_threadsafe(t.cancel)
+        self._stop_ray()
 
     def _stop_ray(self) -> None:
+        if self._stopped.is_set():
+            return
         ray = import_ray()
         for a in getattr(self, "_actors", {}).values():
             try:

@@ -32,7 +32,7 @@ class ReplicaState:
 
 
 class EngineClient(ABC):
-    """Called from one event loop (the serving one), except `run`."""
+    """Called from one event loop (the serving one), except `run` and `close`."""
 
     limits: CoreLimits
 
@@ -58,6 +58,11 @@ class EngineClient(ABC):
     def replicas(self) -> list[ReplicaState]:
         """The latest snapshot of every core."""
 
+    @property
+    def error(self) -> BaseException | None:
+        """What killed the client's own loop, if one died (then `run()` has returned)."""
+        return None
+
     def routing(self) -> dict[str, int]:
         """Routing decisions by kind since start (empty when there is nothing to route)."""
         return {}
@@ -68,8 +73,9 @@ class EngineClient(ABC):
         thread for (the in-process client steps its core here)."""
 
     @abstractmethod
-    async def shutdown(self) -> None:
-        """Stop the cores; requests still running are lost (the front end fails them first)."""
+    def close(self) -> None:
+        """Stop the cores and end `run()`; requests still running are lost (the front end fails them
+        first). Blocking, idempotent, callable from any thread."""
 
 
 class InProcessClient(EngineClient):
@@ -110,11 +116,15 @@ class InProcessClient(EngineClient):
     def alive(self) -> bool:
         return self.core_thread.alive
 
+    @property
+    def error(self) -> BaseException | None:
+        return self.core_thread.error
+
     def replicas(self) -> list[ReplicaState]:
         return [ReplicaState(self.NAME, self.core_thread.alive, self.core_thread.stats)]
 
     def run(self) -> None:
         self.core_thread.run()
 
-    async def shutdown(self) -> None:
-        await asyncio.to_thread(self.core_thread.shutdown)
+    def close(self) -> None:
+        self.core_thread.shutdown()

@@ -1,2 +1,2 @@
 """The OpenAI-compatible server: FastAPI front end (app, protocol, metrics) over AsyncEngine, which
-runs the engine core's step loop in its own thread (core_thread)."""
+runs the engine core's step loop behind an EngineClient (a thread here, or Ray replicas)."""

@@ -73,10 +73,14 @@ def build_app(engine: AsyncEngine, manage_engine: bool = True, start_core: bool 
         return APIError(500, f"internal error: {type(exc).__name__}", "server_error").response()
 
     @app.get("/health", responses={503: _ERRORS[503]})
-    async def health() -> dict[str, str]:
+    async def health() -> dict[str, Any]:
+        """200 while some replica takes requests, with each replica's state; 503 when none does."""
         if not engine.healthy:
             raise APIError(503, "the engine is not running", "service_unavailable", code="engine_unavailable")
-        return {"status": "ok"}
+        reps = {r.name: {"status": "ok" if r.up else "down", "where": r.where, "running": r.stats.num_running,
+                         "waiting": r.stats.num_waiting, "kv_blocks_used": r.stats.kv_blocks_used,
+                         "kv_blocks_total": r.stats.kv_blocks_total} for r in engine.client.replicas()}
+        return {"status": "ok", "replicas": reps}
 
     @app.get("/metrics", response_class=Response,
              responses={200: {"content": {"text/plain": {"schema": {"type": "string"}}}}})
@@ -124,8 +128,9 @@ def _validation_error(exc: RequestValidationError) -> APIError:
 def serve(engine: AsyncEngine, host: str = "127.0.0.1", port: int = 8000, log_level: str = "info",
           access_log: bool = False, shutdown_timeout: float = 30.0) -> None:
     """Serve until SIGTERM / SIGINT (blocking): uvicorn's event loop in a background thread, the
-    engine core's step loop in this thread — the one that loaded the model, where CPU steps run
-    ~15 % faster than in a fresh thread (measured on smollm2-135m, 2 threads: 30 vs 34.6 ms/step).
+    client's `run()` in this thread — for an in-process core its step loop, here in the thread that
+    loaded the model, where CPU steps run ~15 % faster than in a fresh thread (measured on
+    smollm2-135m, 2 threads: 30 vs 34.6 ms/step); for Ray replicas a wait.
 
     The first signal drains: new requests get 503 while the ones in flight finish (for at most
     `shutdown_timeout` seconds), then the process returns normally. A second signal stops at once
@@ -140,8 +145,8 @@ def serve(engine: AsyncEngine, host: str = "127.0.0.1", port: int = 8000, log_le
     def run_http() -> None:
         try:
             server.run()
-        finally:  # however uvicorn stops, the step loop stops too
-            engine.core_thread.shutdown()
+        finally:  # however uvicorn stops, the client stops too (and with it run() below)
+            engine.client.close()
 
     async def drain_then_exit() -> None:
         finished = await engine.drain(shutdown_timeout)
@@ -165,10 +170,10 @@ def serve(engine: AsyncEngine, host: str = "127.0.0.1", port: int = 8000, log_le
     previous = {sig: signal.signal(sig, on_signal) for sig in (signal.SIGINT, signal.SIGTERM)}
     http.start()
     try:
-        engine.core_thread.run()  # returns at shutdown, or when the loop dies (core_thread.error)
+        engine.client.run()  # returns at shutdown, or when an in-process loop dies (client.error)
     finally:
         server.should_exit = True
-        error = engine.core_thread.error
+        error = engine.client.error
         if error is not None:
             server.force_exit = isinstance(error, KeyboardInterrupt)
         http.join(shutdown_timeout + 10)

@@ -1,10 +1,11 @@
 """AsyncEngine: the server's front end to the engine core (vLLM v1 style).
 
-    HTTP handler ──add_request(prompt ids, params)──► CoreThread inbox ──► EngineCore.step() loop
+    HTTP handler ──add_request(prompt ids, params)──► EngineClient ──► EngineCore.step() loop(s)
          ▲                                                                       │ token-id deltas
          └── RequestStream ◄── detokenize + stop strings (OutputProcessor) ◄─────┘ (event loop)
 
-Everything here runs on the asyncio event loop, except the step loop (CoreThread). Tokenization,
+The EngineClient (engine/client.py) runs the core in a thread here or as Ray actors elsewhere; this
+front end cannot tell which. Everything here runs on the asyncio event loop. Tokenization,
 incremental detokenization and stop-string checks happen here, so they never block a step; the
 core sees token ids only. A stream whose reader goes away aborts its requests, which frees their
 KV blocks in the core at its next loop turn."""
@@ -18,12 +19,11 @@ import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 
-from tokenhaul.engine.core import EngineCore
+from tokenhaul.engine.client import EngineClient, InProcessClient
 from tokenhaul.engine.messages import AddRequest, CoreOutputs
 from tokenhaul.errors import CapacityError, RequestError, TokenhaulError
 from tokenhaul.outputs import TokenLogprob
 from tokenhaul.sampling_params import SamplingParams
-from tokenhaul.server.core_thread import CoreThread
 from tokenhaul.server.metrics import ServerMetrics
 from tokenhaul.text.output_processor import OutputProcessor
 from tokenhaul.text.tokenizer import Tokenizer
@@ -77,6 +77,7 @@ class RequestStream:
 
     def __init__(self, engine: AsyncEngine, request_ids: list[str]) -> None:
         self.request_ids = request_ids
+        self.replicas: list[str] = []  # where its requests were sent (the x-tokenhaul-replica header)
         self._engine = engine
         self._pending: dict[int, GenerationDelta] = {}
         self._unfinished = set(range(len(request_ids)))
@@ -107,6 +108,11 @@ class RequestStream:
     @property
     def finished(self) -> bool:
         return not self._unfinished
+
+    @property
+    def replica(self) -> str:
+        """The replica(s) serving this call, comma-separated (one, unless its choices were split)."""
+        return ",".join(dict.fromkeys(self.replicas))
 
     def abort(self) -> None:
         """Abort the unfinished requests (idempotent); their KV blocks are freed by the core."""
@@ -159,17 +165,18 @@ class AsyncEngine:
     """Front end: prompts in, RequestStreams out. Create, `await start()` on the serving event loop
     (it binds to that loop), `await shutdown()` at the end."""
 
-    def __init__(self, core: EngineCore, tokenizer: Tokenizer, model_name: str, max_waiting: int = 256,
+    def __init__(self, client: EngineClient, tokenizer: Tokenizer, model_name: str, max_waiting: int = 256,
                  max_prompt_chars: int | None = None, request_timeout: float | None = None) -> None:
+        """`client`: an EngineClient, or an EngineCore to step in a thread of this process."""
         self.tokenizer = tokenizer
         self.model_name = model_name
         self.max_waiting = max_waiting
         self.request_timeout = request_timeout  # seconds from admission; then finish_reason "timeout"
-        self.core_thread = CoreThread(core, self._from_core_thread)
-        self.limits = self.core_thread.limits
+        self.client = client if isinstance(client, EngineClient) else InProcessClient(client)
+        self.limits = self.client.limits
         # text longer than this is refused before tokenizing (a token rarely spans more than ~16 characters)
         self.max_prompt_chars = max_prompt_chars or 32 * self.limits.max_model_len
-        self.metrics = ServerMetrics(lambda: self.core_thread.stats)
+        self.metrics = ServerMetrics(self.client.replicas, self.client.routing)
         self.processor = OutputProcessor(tokenizer, _LastMileProbe(self.metrics))
         self.created = int(time.time())
         self._eos = tuple(tokenizer.eos_token_ids)
@@ -189,23 +196,33 @@ class AsyncEngine:
         from tokenhaul.llm import LLM
 
         llm = LLM(model, **engine_kwargs)
-        return cls(llm.core, llm.tokenizer, served_model_name or model, max_waiting, max_prompt_chars,
-                   request_timeout)
+        return cls(InProcessClient(llm.core), llm.tokenizer, served_model_name or model, max_waiting,
+                   max_prompt_chars, request_timeout)
+
+    @classmethod
+    def from_client(cls, client: EngineClient, model: str, served_model_name: str | None = None,
+                    max_waiting: int = 256, max_prompt_chars: int | None = None,
+                    request_timeout: float | None = None) -> AsyncEngine:
+        """A front end over cores that run elsewhere (e.g. Ray replicas): loads the tokenizer only."""
+        from tokenhaul.models.catalog import resolve
+
+        f = resolve(model)
+        return cls(client, Tokenizer.from_gguf(f.gguf_path, f.cache_dir, f.name), served_model_name or model,
+                   max_waiting, max_prompt_chars, request_timeout)
 
     # lifecycle -----------------------------------------------------------------------------
     async def start(self, start_core: bool = True) -> None:
-        """Bind to the running event loop; start the core's step loop in its own thread, unless the
-        caller runs it (`core_thread.run()`) in a thread of its own choosing."""
+        """Bind to the running event loop and start the client; an in-process core steps in its own
+        thread, unless the caller runs it (`client.run()`) in a thread of its own choosing."""
         self._loop = asyncio.get_running_loop()
         self._empty = asyncio.Event()
         self._empty.set()
-        if start_core:
-            self.core_thread.start()
+        await self.client.start(self._process, start_core)
 
     async def shutdown(self) -> None:
         self._closing = True
         self._fail_all(EngineUnavailable("the server is shutting down"))
-        await asyncio.to_thread(self.core_thread.shutdown)
+        await asyncio.to_thread(self.client.close)
 
     async def drain(self, timeout: float) -> bool:
         """Stop admitting (new requests and /health get 503) and wait up to `timeout` seconds for the
@@ -221,7 +238,7 @@ class AsyncEngine:
 
     @property
     def healthy(self) -> bool:
-        return self._loop is not None and self.core_thread.alive and not (self._closing or self._draining)
+        return self._loop is not None and self.client.alive and not (self._closing or self._draining)
 
     @property
     def loop(self) -> asyncio.AbstractEventLoop | None:
@@ -304,7 +321,7 @@ class AsyncEngine:
             self._num_waiting += 1
             self.processor.add(rid, prompt, p)
             self.metrics.prompt_tokens.inc(len(prompt))
-            self.core_thread.add(AddRequest(rid, list(prompt), p, self._eos))
+            stream.replicas.append(self.client.add(AddRequest(rid, list(prompt), p, self._eos)))
         return stream
 
     async def generate(self, request_id: str, prompt_ids: list[int],
@@ -330,23 +347,15 @@ class AsyncEngine:
         self.processor.abort(request_id)
         self.processor.release(request_id)
         self.metrics.requests.labels(outcome).inc()
-        self.core_thread.abort(request_id, outcome)
+        self.client.abort(request_id, outcome)
         return e
 
-    # outputs from the core -------------------------------------------------------------------
-    def _from_core_thread(self, out: CoreOutputs) -> None:
-        """Called on the core thread: hand the step's outputs to the event loop, never wait for it."""
-        loop = self._loop
-        if loop is not None and not loop.is_closed():
-            try:
-                loop.call_soon_threadsafe(self._process, out)
-            except RuntimeError:  # the loop closed between the check and the call
-                pass
-
+    # outputs from the client -------------------------------------------------------------------
     def _process(self, out: CoreOutputs) -> None:
+        """The client's outputs, on the event loop: detokenize, check stops, feed the streams."""
         updated, stopped = self.processor.process(out.deltas, out.step)
         for rid in stopped:
-            self.core_thread.abort(rid, "stop")
+            self.client.abort(rid, "stop")
         now = time.perf_counter()
         m = self.metrics
         for o in updated:

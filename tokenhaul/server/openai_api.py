@@ -30,6 +30,7 @@ from tokenhaul.server.async_engine import (
 )
 
 MAX_CHOICES = 64  # prompts × n per call
+REPLICA_HEADER = "x-tokenhaul-replica"  # which engine replica served the call (as routed at admission)
 _FIELDS = set(P.ChatCompletionRequest.model_fields) | set(P.CompletionRequest.model_fields)
 
 
@@ -157,7 +158,8 @@ class OpenAIHandlers:
                 yield "data: [DONE]\n\n"
 
         return StreamingResponse(gen(), media_type="text/event-stream",
-                                 headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+                                 headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no",
+                                          REPLICA_HEADER: stream.replica})
 
     # /v1/completions ---------------------------------------------------------------------------
     async def completions(self, body: P.CompletionRequest, request: Request) -> Response:
@@ -195,7 +197,7 @@ class OpenAIHandlers:
                 choices.append({"index": i, "text": c.text, "logprobs": lp, "finish_reason": c.finish_reason,
                                 "stop_reason": c.stop_reason})
             return JSONResponse({"id": rid, "object": "text_completion", "created": created, "model": model,
-                                 "choices": choices, "usage": usage()})
+                                 "choices": choices, "usage": usage()}, headers={REPLICA_HEADER: stream.replica})
 
         def frames(items: list[tuple[int, GenerationDelta]]) -> list[dict]:
             choices = []
@@ -282,7 +284,7 @@ class OpenAIHandlers:
                                 "logprobs": {"content": self._chat_logprobs(c.logprobs)} if want_lp else None,
                                 "finish_reason": c.finish_reason, "stop_reason": c.stop_reason})
             return JSONResponse({"id": rid, "object": "chat.completion", "created": created, "model": model,
-                                 "choices": choices, "usage": usage()})
+                                 "choices": choices, "usage": usage()}, headers={REPLICA_HEADER: stream.replica})
 
         def chunk(choices: list[dict]) -> dict:
             return {"id": rid, "object": "chat.completion.chunk", "created": created, "model": model,
