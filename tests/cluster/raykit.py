@@ -31,7 +31,8 @@ class RayNodes:
         self.port = free_port()
         self.address = f"127.0.0.1:{self.port}"
         self.env = os.environ | {"RAY_AUTH_MODE": "token", "RAY_AUTH_TOKEN": secrets.token_hex(16),
-                                 "OMP_WAIT_POLICY": "PASSIVE", "RAY_DISABLE_USAGE_STATS": "1"}
+                                 "OMP_WAIT_POLICY": "PASSIVE", "RAY_DISABLE_USAGE_STATS": "1",
+                                 "RAY_memory_monitor_refresh_ms": "0"}  # as the pool's local instance
         self.num_nodes, self.cpus, self.log_dir = num_nodes, cpus, log_dir
         self.procs: list[subprocess.Popen] = []
 

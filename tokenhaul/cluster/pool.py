@@ -12,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import threading
+import time
 from dataclasses import dataclass
 
 from tokenhaul.cluster.replica import EngineReplica, ReplicaInfo
@@ -57,9 +58,13 @@ class ReplicaPool(EngineClient):
         threads = kwargs.get("threads") or 1
         kwargs["threads"] = threads
         self._stopped = threading.Event()
+        self._stop_lock = threading.Lock()
         self._own_ray = not ray.is_initialized()
         if self._own_ray:
-            local = {} if address else {"num_cpus": replicas * threads}
+            # a local instance: CPUs for the replicas, and no Ray OOM killer (on a crowded node it picks the
+            # youngest workers, the replicas loading their model, whoever holds the memory; the kernel's stays)
+            local = {} if address else {"num_cpus": replicas * threads,
+                                        "_system_config": {"memory_monitor_refresh_ms": 0}}
             # the workers inherit this environment (PYTHONPATH, OMP_WAIT_POLICY) through the raylet
             ray.init(address=address or "local", include_dashboard=False, logging_level=logging.WARNING, **local)
         self.max_retries = max_retries
@@ -89,14 +94,16 @@ class ReplicaPool(EngineClient):
         self._closing = False
 
     @staticmethod
-    def _first_ready(ray, actor) -> ReplicaInfo:
-        """Wait for a replica's model; a restart meanwhile (Ray's OOM killer on a crowded node) is waited out."""
-        for _ in range(5):
+    def _first_ready(ray, actor, timeout: float = 600.0) -> ReplicaInfo:
+        """Wait for a replica's model; a restart meanwhile (a crash, an OOM kill) is waited out."""
+        deadline = time.monotonic() + timeout
+        while True:
             try:
                 return ray.get(actor.ready.remote())
-            except ray.exceptions.ActorUnavailableError:
-                continue
-        return ray.get(actor.ready.remote())
+            except ray.exceptions.ActorUnavailableError:  # restarting: calls fail at once until it is back
+                if time.monotonic() > deadline:
+                    raise
+                time.sleep(1.0)
 
     # EngineClient ------------------------------------------------------------------------------
     async def start(self, on_outputs: OnOutputs, start_core: bool = True) -> None:
@@ -145,17 +152,18 @@ class ReplicaPool(EngineClient):
         self._stop_ray()
 
     def _stop_ray(self) -> None:
-        if self._stopped.is_set():
-            return
-        ray = import_ray()
-        for a in getattr(self, "_actors", {}).values():
-            try:
-                ray.kill(a, no_restart=True)
-            except Exception:  # already gone
-                pass
-        if self._own_ray:
-            ray.shutdown()
-        self._stopped.set()
+        with self._stop_lock:
+            if self._stopped.is_set():
+                return
+            ray = import_ray()
+            for a in getattr(self, "_actors", {}).values():
+                try:
+                    ray.kill(a, no_restart=True)
+                except Exception:  # already gone
+                    pass
+            if self._own_ray:
+                ray.shutdown()
+            self._stopped.set()
 
     def kill(self, name: str) -> None:
         """Kill one replica's process as a crash would (Ray restarts it); for tests and drills. Its
