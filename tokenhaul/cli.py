@@ -21,6 +21,8 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--threads", type=int, default=None)
     p.add_argument("--quantization", default="auto",
                    help="auto (keep the file's packed bits where a kernel exists), none, int8, int4[:32|64|128]")
+    p.add_argument("--kv-dtype", default="auto",
+                   help="KV cache: auto (as --dtype), fp32, bf16, int8 (per-token-per-head scales, ~0.53x bf16 bytes)")
     p.add_argument("--kv-memory", type=float, default=1.0, dest="kv_memory_gib", help="KV cache budget, GiB")
     p.add_argument("--num-kv-blocks", type=int, default=None, help="KV cache budget in blocks (overrides)")
     p.add_argument("--block-size", type=int, default=16)
@@ -36,9 +38,9 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
 
 
 def engine_kwargs(args: argparse.Namespace) -> dict:
-    keys = ("device", "dtype", "threads", "quantization", "kv_memory_gib", "num_kv_blocks", "block_size",
-            "max_model_len", "max_num_batched_tokens", "max_num_seqs", "enable_prefix_caching", "draft_model",
-            "itl_target_ms")
+    keys = ("device", "dtype", "kv_dtype", "threads", "quantization", "kv_memory_gib", "num_kv_blocks",
+            "block_size", "max_model_len", "max_num_batched_tokens", "max_num_seqs", "enable_prefix_caching",
+            "draft_model", "itl_target_ms")
     return {k: getattr(args, k) for k in keys}
 
 
@@ -67,6 +69,13 @@ def sampling_params(args: argparse.Namespace) -> SamplingParams:
     return SamplingParams(**kw)
 
 
+def options_line(llm) -> str:
+    """The byte-saving options a run used, for reports: compute dtype and KV cache dtype with its bytes."""
+    c = llm.config
+    return (f"{llm.files.name} quantization {c.quantization}, dtype {c.dtype}, kv {c.kv_dtype} → {str(c.kv_torch_dtype).removeprefix('torch.')} "
+            f"({llm.costs.kv_bytes_per_token / 1e3:.1f} kB KV per token)")
+
+
 def cmd_generate(args: argparse.Namespace, chat: bool = False) -> None:
     from tokenhaul.llm import LLM
 
@@ -89,7 +98,7 @@ def cmd_generate(args: argparse.Namespace, chat: bool = False) -> None:
     for i, b in enumerate((out.beams or [])[1:], 2):
         print(f"\n[beam {i}] score {b.score:.4f}\n{b.text}")
     if args.ledger:
-        print(f"\n[ledger] {llm.files.name} {args.dtype} | {out.ledger.short_line()} | "
+        print(f"\n[ledger] {options_line(llm)} | {out.ledger.short_line()} | "
               f"finish={out.finish_reason}", file=sys.stderr)
 
 
@@ -126,12 +135,13 @@ def cmd_trace(args: argparse.Namespace) -> None:
     ledger = outs[0].ledger
     out = Path(args.out)
     trace = write_trace(ledger, out / "trace.json")
-    title = f"tokenhaul ledger: {llm.files.name} {args.dtype}, {args.concurrency} concurrent"
+    title = f"tokenhaul ledger: {options_line(llm)}, {args.concurrency} concurrent"
     report = write_report(ledger, out / "report.html", roof, title)
     steps = out / "steps.jsonl"
     with steps.open("w") as f:  # the step records, so the run can be replayed through the what-if model
         for s in ledger.steps:
             f.write(json.dumps(dataclasses.asdict(s.record)) + "\n")
+    print(f"options: {options_line(llm)}")
     print(text_report(ledger, roof))
     print(f"\ntrace:  {trace}  (open in https://ui.perfetto.dev)\nreport: {report}\nsteps:  {steps}")
 
@@ -209,13 +219,13 @@ def cmd_eval_ppl(args: argparse.Namespace) -> None:
     kw = engine_kwargs(args) | {"max_num_batched_tokens": max(args.window, args.max_num_batched_tokens),
                                 "enable_prefix_caching": False}
     llm = LLM(args.model, **kw)
-    res = {"model": llm.files.name, "quantization": args.quantization, "dtype": args.dtype,
+    res = {"model": llm.files.name, "quantization": args.quantization, "dtype": args.dtype, "kv_dtype": args.kv_dtype,
            **evaluate(llm, args.corpus, args.max_tokens, args.window, args.stride)}
     if args.json:
         print(json.dumps(res))
         return
     parts = ", ".join(f"{k} {v['perplexity']:.3f} ({v['tokens']} tokens)" for k, v in res["parts"].items())
-    print(f"{res['model']} {args.quantization} {args.dtype}: perplexity {res['perplexity']:.4f} over "
+    print(f"{res['model']} {args.quantization} {args.dtype} kv {args.kv_dtype}: perplexity {res['perplexity']:.4f} over "
           f"{res['tokens']} tokens [{parts}] in {res['seconds']:.1f} s")
 
 

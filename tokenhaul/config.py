@@ -13,6 +13,7 @@ from tokenhaul.layers.quantization import QuantSpec
 # batches want throughput); chosen by measurement with bench/smooth.py (bench/RESULTS.md, "Smooth streams").
 DEFAULT_ITL_TARGET_MS = 100.0
 DTYPES = {"fp32": torch.float32, "float32": torch.float32, "bf16": torch.bfloat16, "bfloat16": torch.bfloat16}
+KV_DTYPES = {"auto": None, "fp32": torch.float32, "bf16": torch.bfloat16, "int8": torch.int8}  # auto: as --dtype
 
 
 @dataclass(frozen=True)
@@ -30,12 +31,15 @@ class EngineConfig:
     threads: int | None = None
     draft_model: str | None = None  # alias or GGUF path of a draft model sharing the target's vocabulary
     speculative_max_batch: int = 8  # above this many running requests nothing is drafted (bench/decoding.py)
+    kv_dtype: str = "auto"  # auto (the compute dtype) | fp32 | bf16 | int8 (per-token-per-head scales, kv/int8.py)
     itl_target_ms: float = 0.0  # > 0: prefill chunks sized so each step's predicted time stays under it; 0 = off
     quantization: str = "auto"  # auto | none | int8 | int4[:32|64|128]; see layers/quantization.py
 
     def __post_init__(self) -> None:
         if self.dtype not in DTYPES:
             raise TokenhaulError(f"unknown dtype '{self.dtype}' (choose from {', '.join(DTYPES)})")
+        if self.kv_dtype not in KV_DTYPES:
+            raise TokenhaulError(f"unknown --kv-dtype '{self.kv_dtype}' (choose from {', '.join(KV_DTYPES)})")
         if self.device.startswith("cuda") and not torch.cuda.is_available():
             raise TokenhaulError("--device cuda requested but CUDA is not available")
         QuantSpec.parse(self.quantization)  # raises TokenhaulError on a bad value
@@ -49,3 +53,8 @@ class EngineConfig:
     @property
     def torch_dtype(self) -> torch.dtype:
         return DTYPES[self.dtype]
+
+    @property
+    def kv_torch_dtype(self) -> torch.dtype:
+        """The KV cache's storage dtype (torch.int8: int8 values with fp32 scales)."""
+        return KV_DTYPES[self.kv_dtype] or self.torch_dtype

@@ -9,6 +9,7 @@ import torch
 from tokenhaul.config import EngineConfig
 from tokenhaul.engine.core import EngineCore
 from tokenhaul.errors import ModelError, RequestError
+from tokenhaul.kv.cache import KVCache
 from tokenhaul.ledger.costs import ModelCosts
 from tokenhaul.ledger.ledger import Ledger
 from tokenhaul.models.catalog import DEFAULT_MODEL, resolve
@@ -34,7 +35,8 @@ class LLM:
         self.tokenizer = Tokenizer.from_gguf(self.files.gguf_path, self.files.cache_dir, self.files.name)
         self.draft_model = self._load_draft(self.config.draft_model) if self.config.draft_model else None
         self.core = EngineCore(self.config, self.model, draft_model=self.draft_model)
-        self.costs = ModelCosts.from_model(self.model, self.config.torch_dtype.itemsize)
+        self.costs = ModelCosts.from_model(
+            self.model, KVCache.bytes_per_value(self.config.kv_torch_dtype, self.model.config.head_dim))
         self._ids = itertools.count()
 
     def _load_draft(self, alias: str) -> Model:

@@ -66,7 +66,7 @@ def kv_blocks_for(config: EngineConfig, model: Model, draft: Model | None = None
     def per_block(m: Model) -> int:
         c = m.config
         return KVCache.bytes_per_block(c.num_layers, config.block_size, c.num_kv_heads, c.head_dim,
-                                       config.torch_dtype)
+                                       config.kv_torch_dtype)
 
     size = per_block(model) + (per_block(draft) if draft is not None else 0)
     return config.num_kv_blocks or max(1, int(config.kv_memory_gib * 2**30 // size))
@@ -74,7 +74,7 @@ def kv_blocks_for(config: EngineConfig, model: Model, draft: Model | None = None
 
 def make_cache(config: EngineConfig, model: Model, num_blocks: int) -> KVCache:
     c = model.config
-    return KVCache(c.num_layers, num_blocks, config.block_size, c.num_kv_heads, c.head_dim, config.torch_dtype,
+    return KVCache(c.num_layers, num_blocks, config.block_size, c.num_kv_heads, c.head_dim, config.kv_torch_dtype,
                    config.device)
 
 

@@ -1,8 +1,15 @@
-"""KVCache: the tensor storage behind the block pool — per layer, [num_blocks, block_size, Hkv, D]."""
+"""KVCache: the tensor storage behind the block pool — per layer, [num_blocks, block_size, Hkv, D].
+
+Float dtypes store K/V as plain tensors; torch.int8 stores `Int8Blocks` (int8 values + per-token-per-head
+scales, kv/int8.py), which layers/attention.py dequantizes only for the blocks a step reads."""
 
 from __future__ import annotations
 
 import torch
+
+from tokenhaul.kv.int8 import Int8Blocks
+
+KVLayer = torch.Tensor | Int8Blocks
 
 
 class KVCache:
@@ -10,19 +17,35 @@ class KVCache:
                  head_dim: int, dtype: torch.dtype, device: str | torch.device) -> None:
         self.num_blocks = num_blocks
         self.block_size = block_size
+        self.dtype = dtype
         shape = (num_blocks, block_size, num_kv_heads, head_dim)
-        self.k = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
-        self.v = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
+
+        def make() -> KVLayer:
+            if dtype == torch.int8:
+                return Int8Blocks(*shape, device)
+            return torch.zeros(shape, dtype=dtype, device=device)
+
+        self.k: list[KVLayer] = [make() for _ in range(num_layers)]
+        self.v: list[KVLayer] = [make() for _ in range(num_layers)]
+
+    @staticmethod
+    def bytes_per_value(dtype: torch.dtype, head_dim: int) -> float:
+        """Stored bytes per cached K or V value (int8: its share of the scale included)."""
+        return Int8Blocks.bytes_per_value(head_dim) if dtype == torch.int8 else dtype.itemsize
 
     @staticmethod
     def bytes_per_block(num_layers: int, block_size: int, num_kv_heads: int, head_dim: int,
                         dtype: torch.dtype) -> int:
-        return 2 * num_layers * block_size * num_kv_heads * head_dim * dtype.itemsize
+        values = 2 * num_layers * block_size * num_kv_heads * head_dim
+        return round(values * KVCache.bytes_per_value(dtype, head_dim))
 
     def copy_block(self, src: int, dst: int) -> None:
-        """Copy-on-write support: duplicate one block's K/V in every layer."""
+        """Copy-on-write support: duplicate one block's K/V (and int8 scales) in every layer."""
         for cache in (*self.k, *self.v):
-            cache[dst] = cache[src]
+            if isinstance(cache, Int8Blocks):
+                cache.copy_block(src, dst)
+            else:
+                cache[dst] = cache[src]
 
     @property
     def nbytes(self) -> int:

@@ -12,6 +12,8 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from tokenhaul.kv.int8 import Int8Blocks
+
 
 @dataclass
 class AttnGroup:
@@ -32,24 +34,40 @@ class AttentionMetadata:
     num_tokens: int
 
 
+def _write(cache: torch.Tensor | Int8Blocks, slots: torch.Tensor, x: torch.Tensor) -> None:
+    if isinstance(cache, Int8Blocks):
+        cache.write(slots, x)
+    else:
+        nb, bs, Hkv, _ = cache.shape
+        cache.view(nb * bs, Hkv, -1)[slots] = x.to(cache.dtype)
+
+
+def _read(cache: torch.Tensor | Int8Blocks, g: AttnGroup, dtype: torch.dtype) -> torch.Tensor:
+    """The group's blocks: a gathered copy, or a view of consecutive blocks; int8 is dequantized here."""
+    if isinstance(cache, Int8Blocks):
+        if g.block_start is None:
+            return cache.gather(g.block_table, dtype)
+        return cache.blocks(g.block_start, g.block_start + g.block_table.shape[1], dtype)
+    if g.block_start is None:  # gather whole blocks into a contiguous copy
+        return cache[g.block_table]
+    return cache[g.block_start:g.block_start + g.block_table.shape[1]]  # consecutive blocks: a view, no copy
+
+
 def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                    k_cache: torch.Tensor, v_cache: torch.Tensor,
+                    k_cache: torch.Tensor | Int8Blocks, v_cache: torch.Tensor | Int8Blocks,
                     meta: AttentionMetadata, scale: float, sliding: bool) -> torch.Tensor:
     """q: [T, H, D]; k, v: [T, Hkv, D]; caches: [num_blocks, block_size, Hkv, D].
-    Writes the step's K/V into their slots, then gathers whole blocks per sequence. Returns [T, H*D]."""
-    nb, bs, Hkv, _ = k_cache.shape
-    k_cache.view(nb * bs, Hkv, -1)[meta.slot_mapping] = k.to(k_cache.dtype)
-    v_cache.view(nb * bs, Hkv, -1)[meta.slot_mapping] = v.to(v_cache.dtype)
+    Writes the step's K/V into their slots, then gathers whole blocks per sequence. Returns [T, H*D].
+    Int8 caches (kv/int8.py) quantize on write and dequantize the step's blocks on read."""
+    Hkv = k_cache.shape[2]
+    _write(k_cache, meta.slot_mapping, k)
+    _write(v_cache, meta.slot_mapping, v)
     T, H, D = q.shape
     out = None if len(meta.groups) == 1 else q.new_empty(T, H * D)
     for g in meta.groups:
         qg = q if g.token_index is None else q[g.token_index]
         qg = qg.view(g.batch, g.q_len, H, D).transpose(1, 2)
-        if g.block_start is None:  # gather whole blocks into a contiguous copy
-            kg, vg = k_cache[g.block_table], v_cache[g.block_table]
-        else:  # consecutive blocks: a view, no copy
-            end = g.block_start + g.block_table.shape[1]
-            kg, vg = k_cache[g.block_start:end], v_cache[g.block_start:end]
+        kg, vg = _read(k_cache, g, q.dtype), _read(v_cache, g, q.dtype)
         kg = kg.reshape(g.batch, -1, Hkv, D).transpose(1, 2).to(q.dtype)  # [B, Hkv, L, D]
         vg = vg.reshape(g.batch, -1, Hkv, D).transpose(1, 2).to(q.dtype)
         mask = g.mask_local if sliding else g.mask

@@ -30,9 +30,10 @@ class ModelCosts:
     layer_params: int  # multiply-adds per token through the layers' linears
     lm_head_params: int
     activation_itemsize: int = 4
-    kv_itemsize: int = 4
+    kv_itemsize: float = 4  # stored bytes per K/V value (int8: 1 + its share of the per-token-per-head scale)
     compute_itemsize: int = 4  # attention runs in fp32: the gathered K/V is converted to it
     device: str = "cpu"
+    kv_quantized: bool = False  # int8 K/V: dequantized on read by a convert then an in-place scale (kv/int8.py)
     # (storage format, linears in it), lm_head included; a description, not a cost (equality ignores it)
     weight_formats: tuple[tuple[str, int], ...] = field(default=(), compare=False)
 
@@ -42,7 +43,7 @@ class ModelCosts:
         return any(fmt != "dense" for fmt, _ in self.weight_formats)
 
     @classmethod
-    def from_model(cls, model, kv_itemsize: int) -> ModelCosts:
+    def from_model(cls, model, kv_itemsize: float) -> ModelCosts:
         c = model.config
         layer_bytes = layer_params = 0
         norm_bytes = model.norm.weight.nbytes
@@ -58,9 +59,10 @@ class ModelCosts:
                     norm_bytes += v.weight.nbytes
         embed = model.embed  # packed or dense: a gather reads whole stored rows
         return cls(c, layer_bytes, model.lm_head.weight_bytes, embed.row_bytes,
-                   norm_bytes, 2 * c.num_layers * c.num_kv_heads * c.head_dim * kv_itemsize,
+                   norm_bytes, round(2 * c.num_layers * c.num_kv_heads * c.head_dim * kv_itemsize),
                    layer_params, model.lm_head.in_features * model.lm_head.out_features,
-                   kv_itemsize=kv_itemsize, device=embed.device.type, weight_formats=tuple(formats.items()))
+                   kv_itemsize=kv_itemsize, device=embed.device.type, weight_formats=tuple(formats.items()),
+                   kv_quantized=kv_itemsize < 2)
 
     @classmethod
     def from_config(cls, c: ModelConfig, weight_bits: float = 16.0, kv_itemsize: float = 2.0,
@@ -211,6 +213,8 @@ def step_costs(mc: ModelCosts, chunks: list[tuple[int, int]], num_sampled: int,
     gather += int(copied * ratio)  # ...and read by attention
     if mc.kv_itemsize != mc.compute_itemsize:  # a view is still converted: written, then read
         gather += 2 * int(view_slots * kv_tok * ratio)
+    if mc.kv_quantized:  # the in-place scaling pass over the dequantized values: read and written
+        gather += 2 * int(gathered * kv_tok * ratio)
     lm_head = mc.lm_head_bytes if num_sampled else 0
     on_device = mc.device != "cpu"
     return StepCosts(
