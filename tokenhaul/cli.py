@@ -72,7 +72,8 @@ def sampling_params(args: argparse.Namespace) -> SamplingParams:
 def options_line(llm) -> str:
     """The byte-saving options a run used, for reports: compute dtype and KV cache dtype with its bytes."""
     c = llm.config
-    return (f"{llm.files.name} quantization {c.quantization}, dtype {c.dtype}, kv {c.kv_dtype} → {str(c.kv_torch_dtype).removeprefix('torch.')} "
+    kv = str(c.kv_torch_dtype).removeprefix("torch.")
+    return (f"{llm.files.name} quantization {c.quantization}, dtype {c.dtype}, kv {c.kv_dtype} → {kv} "
             f"({llm.costs.kv_bytes_per_token / 1e3:.1f} kB KV per token)")
 
 
@@ -225,7 +226,8 @@ def cmd_eval_ppl(args: argparse.Namespace) -> None:
         print(json.dumps(res))
         return
     parts = ", ".join(f"{k} {v['perplexity']:.3f} ({v['tokens']} tokens)" for k, v in res["parts"].items())
-    print(f"{res['model']} {args.quantization} {args.dtype} kv {args.kv_dtype}: perplexity {res['perplexity']:.4f} over "
+    print(f"{res['model']} {args.quantization} {args.dtype} kv {args.kv_dtype}: perplexity {res['perplexity']:.4f} "
+          f"over "
           f"{res['tokens']} tokens [{parts}] in {res['seconds']:.1f} s")
 
 
