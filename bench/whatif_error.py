@@ -55,7 +55,7 @@ def main() -> None:
     ap.add_argument("--models", default="smollm2-135m,qwen2.5-coder-0.5b")
     ap.add_argument("--quantizations", default="bf16,int4")
     ap.add_argument("--batches", default="1,4,8")
-    ap.add_argument("--contexts", default="16,64,256")
+    ap.add_argument("--contexts", default="16,64,192")
     ap.add_argument("--new-tokens", type=int, default=6)
     ap.add_argument("--repeats", type=int, default=2)
     ap.add_argument("--device", default="cpu")

@@ -28,6 +28,24 @@ def test_from_config_agrees_with_from_model(arch, dtype):
         ModelCosts.from_model(model, size)
 
 
+@pytest.mark.parametrize("quant, bits", [("int4", 5.0), ("int8", 8.0)])
+def test_from_config_weight_bits_match_packed_layouts(quant, bits):
+    """int4 group 32 with a bf16 scale and zero per group is exactly 5 bits per weight; int8 is 8 bits plus
+    one bf16 scale per output row (from_config leaves those out: 2 bytes per row)."""
+    from tokenhaul.layers.quantization import LinearFactory, QuantSpec
+
+    make = LinearFactory(QuantSpec.parse(quant), torch.bfloat16)
+    model = tiny_model(dtype=torch.bfloat16, make=make, vocab_size=128)
+    packed = ModelCosts.from_model(model, 2)
+    c = model.config
+    cfg = ModelCosts.from_config(c, bits, 2)
+    assert packed.packed and cfg.layer_params == packed.layer_params
+    rows = c.num_layers * (c.q_size + 2 * c.kv_size + 2 * c.hidden_size + 2 * c.ffn_size)
+    scales = 0 if quant == "int4" else 2
+    assert packed.layer_weight_bytes == cfg.layer_weight_bytes + scales * rows
+    assert packed.lm_head_bytes == cfg.lm_head_bytes + scales * c.vocab_size
+
+
 def test_sparsity_and_kv_dtype_are_inputs():
     cfg = tiny_model().config
     dense, sparse = ModelCosts.from_config(cfg), ModelCosts.from_config(cfg, sparsity=0.5, kv_itemsize=1)
