@@ -127,3 +127,22 @@ def test_trace_steps_replay_through_the_model(tmp_path):
 def test_gguf_without_vocab_key_takes_the_embedding_rows():
     _, cfg = load_model_config("qwen2.5-coder-0.5b")  # its metadata has no qwen2.vocab_size
     assert cfg.vocab_size == 151936 and cfg.qkv_bias and not cfg.tie_embeddings
+
+
+def test_this_machine_profile_is_cached_and_remeasured_for_new_kernels(tmp_path, monkeypatch):
+    from tokenhaul.whatif import machine
+
+    calls = []
+    entry = {"name": "this-machine", "flops": {f: 1e11 for f in machine.available_formats()} | {"attention": 5e10},
+             "tier": [{"name": "DRAM", "capacity": 8e9, "bandwidth": 2e10}], "paged_kernel": "gather",
+             "overhead": {"step_s": 1e-3, "layer_s": 1e-4}}
+    monkeypatch.setattr(machine, "measure_profile", lambda: calls.append(1) or dict(entry))
+    hw = machine.this_machine(root=tmp_path)
+    assert machine.this_machine(root=tmp_path) == hw and len(calls) == 1
+    assert hw.name == THIS_MACHINE and hw.layer_overhead == 1e-4 and hw.paged_kernel == "gather"
+    entry["flops"] = {"bf16": 1e11}  # cached before a packed kernel existed
+    machine.this_machine(remeasure=True, root=tmp_path)
+    monkeypatch.setattr(machine, "measure_profile", lambda: calls.append(1) or dict(entry, flops=dict.fromkeys(
+        machine.available_formats(), 1e11)))
+    machine.this_machine(root=tmp_path)
+    assert len(calls) == 3

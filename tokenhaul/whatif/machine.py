@@ -220,7 +220,7 @@ def this_machine(remeasure: bool = False, root: Path | None = None) -> Hardware:
     """This machine's calibrated profile: from the cache file, else measured now (and stored)."""
     key = cal.machine_key() + " | whatif-profile"
     entry = None if remeasure else cal.load_entry(key, root)
-    if entry is None:
+    if entry is None or not set(available_formats()) <= set(entry["flops"]):  # a kernel added since: remeasure
         entry = measure_profile()
         cal.store_entry(key, entry, root)
     return from_dict(entry, THIS_MACHINE, str(cal.calibration_path(root)))
