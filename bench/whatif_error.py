@@ -28,13 +28,16 @@ from tokenhaul.whatif.workload import Workload, predict
 
 def measure(llm: LLM, batch: int, context: int, new_tokens: int, seed: int, repeats: int) -> tuple[float, float]:
     """(prefill tokens/s, decode step seconds) of batches of distinct random prompts: the best of
-    `repeats` runs for prefill and the fastest decode step (engine stages), as calibration takes best
-    times — on a shared machine the least-disturbed figure is the reproducible one."""
+    `repeats` runs (up to 5 while a point takes under 3 s) for prefill and the fastest decode step (engine
+    stages), as calibration takes best times — on a shared machine the least-disturbed figure is the
+    reproducible one."""
     g = torch.Generator().manual_seed(seed)
     vocab = llm.costs.lm_head_params // llm.model.config.hidden_size
     params = SamplingParams(max_tokens=new_tokens, temperature=0, ignore_eos=True)
     prefill, decode = 0.0, float("inf")
-    for _ in range(repeats):
+    t0, runs = time.perf_counter(), 0
+    while runs < repeats or (runs < 5 and time.perf_counter() - t0 < 3.0):  # short points: more samples
+        runs += 1
         prompts = [torch.randint(100, min(vocab, 30000), (context,), generator=g).tolist() for _ in range(batch)]
         ledger = llm.generate(prompts, params)[0].ledger
         prefill = max(prefill, ledger.prefill.tokens / ledger.prefill.seconds)
