@@ -16,6 +16,7 @@ import pytest
 from raykit import on_loop
 from serverkit import MODEL, ServerThread
 
+from tokenhaul.bench import loadgen
 from tokenhaul.cluster.pool import ReplicaPool
 from tokenhaul.sampling_params import SamplingParams
 from tokenhaul.server.app import build_app
@@ -118,6 +119,14 @@ def test_metrics_and_health_per_replica(cluster):
     assert h["status"] == "ok"
     assert set(h["replicas"]) == {"0", "1"}
     assert all(r["status"] == "ok" and "pid" in r["where"] for r in h["replicas"].values())
+
+
+def test_bench_serve_reports_each_replica(cluster):
+    url, _, _ = cluster
+    s = loadgen.benchmark(url, loadgen.random_dataset(8, 24, 4), concurrency=4)
+    assert s["completed"] == 8 and set(s["per_replica"]) == {"0", "1"}, s["per_replica"]
+    assert sum(v["completed"] for v in s["per_replica"].values()) == 8
+    assert "per replica: 0: " in loadgen.format_table(s)
 
 
 def test_killed_replica_loses_no_unstreamed_request_and_comes_back(cluster):

@@ -52,6 +52,7 @@ class RequestResult:
     output_tokens: int = 0
     prompt_tokens: int = 0
     error: str | None = None
+    replica: str | None = None  # the x-tokenhaul-replica header: which engine replica served it
 
     @property
     def tpot(self) -> float | None:
@@ -118,6 +119,7 @@ async def _one(client: httpx.AsyncClient, url: str, body: dict) -> RequestResult
             if r.status_code != 200:
                 res.error = f"HTTP {r.status_code}: {(await r.aread()).decode(errors='replace')[:200]}"
                 return res
+            res.replica = r.headers.get("x-tokenhaul-replica")
             async for line in r.aiter_lines():
                 if not line.startswith("data:"):
                     continue
@@ -246,6 +248,9 @@ def summarize(results: list[RequestResult], wall_s: float, slo_ttft_ms: float | 
         "itl_p99_over_p50": itl["p99"] / itl["p50"] if itl["p50"] else None,
         "e2e_ms": _stats([r.e2e for r in ok]),
         "mean_in_flight": sum(r.e2e for r in ok) / wall_s if wall_s > 0 else 0.0,
+        "per_replica": {name: {"completed": len(rs), "output_throughput": sum(r.output_tokens for r in rs) / wall_s}
+                        for name in sorted({r.replica for r in ok if r.replica})
+                        if (rs := [r for r in ok if r.replica == name]) and wall_s > 0},
     }
 
 
@@ -265,6 +270,9 @@ def format_table(s: dict[str, Any]) -> str:
         st = s[f"{k}_ms"]
         lines.append(f"{k.upper():<6}" + "".join(f"{_fmt(st[q]):>10}" for q in ("mean", "p50", "p90", "p99", "max")))
     lines.append(f"ITL p99/p50 {_fmt(s['itl_p99_over_p50'], '.2f')}")
+    if len(s.get("per_replica") or {}) > 1:
+        lines.append("per replica: " + " | ".join(f"{n}: {v['completed']} req, {v['output_throughput']:.1f} tok/s"
+                                                  for n, v in s["per_replica"].items()))
     lm = s.get("last_mile_us_per_token")
     if lm is not None:
         lines.append(f"last mile (server front end) {lm['total']:.1f} µs/token = detokenize+stop "
