@@ -8,8 +8,9 @@ from tokenhaul.engine.messages import AddRequest, CoreOutputs, RequestDelta, Sam
 from tokenhaul.sampling_params import SamplingParams
 
 
-def test_messages_import_without_torch():
-    code = "import sys, tokenhaul.engine.messages; print('torch' in sys.modules)"
+def test_messages_and_clients_import_without_torch():
+    code = ("import sys, tokenhaul.engine.messages, tokenhaul.engine.client, tokenhaul.cluster.router; "
+            "print('torch' in sys.modules)")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "False"
 

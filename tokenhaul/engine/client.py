@@ -14,8 +14,12 @@ import asyncio
 from abc import ABC, abstractmethod
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 from tokenhaul.engine.messages import AddRequest, CoreLimits, CoreOutputs, CoreStats
+
+if TYPE_CHECKING:  # the core loads torch; this module does not
+    from tokenhaul.engine.core import EngineCore
 
 OnOutputs = Callable[[CoreOutputs], None]
 
@@ -83,7 +87,7 @@ class InProcessClient(EngineClient):
 
     NAME = "0"
 
-    def __init__(self, core) -> None:  # EngineCore; not imported here so that this module stays torch-free
+    def __init__(self, core: EngineCore) -> None:
         from tokenhaul.server.core_thread import CoreThread
 
         self.limits = core.limits()
