@@ -127,6 +127,7 @@ def test_bench_serve_reports_each_replica(cluster):
     assert s["completed"] == 8 and set(s["per_replica"]) == {"0", "1"}, s["per_replica"]
     assert sum(v["completed"] for v in s["per_replica"].values()) == 8
     assert "per replica: 0: " in loadgen.format_table(s)
+    assert s["prefix_hit_rate"] < 0.5  # distinct prompts: little to share (a chat-free lead word at most)
 
 
 def test_killed_replica_loses_no_unstreamed_request_and_comes_back(cluster):

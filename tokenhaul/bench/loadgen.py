@@ -196,13 +196,16 @@ async def scrape_last_mile(url: str) -> dict[str, float] | None:
         return None
     if r.status_code != 200 or "tokenhaul_last_mile_seconds" not in r.text:
         return None
-    out = {"detokenize": 0.0, "frame": 0.0, "tokens": 0.0}
+    out = {"detokenize": 0.0, "frame": 0.0, "tokens": 0.0, "hit": 0.0, "query": 0.0}
+    prefix = {"tokenhaul_prefix_cache_hit_tokens_total": "hit", "tokenhaul_prefix_cache_query_tokens_total": "query"}
     for fam in text_string_to_metric_families(r.text):
         for s in fam.samples:
             if s.name == "tokenhaul_last_mile_seconds_sum":
                 out[s.labels["stage"]] = s.value
             elif s.name == "tokenhaul_generation_tokens_total":
                 out["tokens"] = s.value
+            elif s.name in prefix:  # summed over the replicas
+                out[prefix[s.name]] += s.value
     return out
 
 
@@ -270,6 +273,8 @@ def format_table(s: dict[str, Any]) -> str:
         st = s[f"{k}_ms"]
         lines.append(f"{k.upper():<6}" + "".join(f"{_fmt(st[q]):>10}" for q in ("mean", "p50", "p90", "p99", "max")))
     lines.append(f"ITL p99/p50 {_fmt(s['itl_p99_over_p50'], '.2f')}")
+    if s.get("prefix_hit_rate") is not None:
+        lines.append(f"prefix cache hit rate {s['prefix_hit_rate']:.1%} of prompt tokens (all replicas)")
     if len(s.get("per_replica") or {}) > 1:
         lines.append("per replica: " + " | ".join(f"{n}: {v['completed']} req, {v['output_throughput']:.1f} tok/s"
                                                   for n, v in s["per_replica"].items()))
@@ -297,6 +302,8 @@ def benchmark(url: str, specs: list[PromptSpec], slo_ttft_ms: float | None = Non
             n = after["tokens"] - before["tokens"]
             d = {k: (after[k] - before[k]) / n * 1e6 for k in ("detokenize", "frame")}
             s["last_mile_us_per_token"] = d | {"total": d["detokenize"] + d["frame"]}
+        if before and after and after["query"] > before["query"]:
+            s["prefix_hit_rate"] = (after["hit"] - before["hit"]) / (after["query"] - before["query"])
         return s
 
     return asyncio.run(go())
