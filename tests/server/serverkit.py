@@ -14,6 +14,8 @@ from tokenhaul.config import EngineConfig
 from tokenhaul.engine.core import EngineCore
 from tokenhaul.models.config import ModelConfig
 from tokenhaul.server.async_engine import AsyncEngine
+from tokenhaul.server.guards import ServerOptions
+from tokenhaul.server.http_protocol import uvicorn_config
 from tokenhaul.text.tokenizer import Tokenizer
 
 MODEL = "smollm2-135m"
@@ -48,15 +50,16 @@ class ScriptModel:
 
 
 class ServerThread:
-    """uvicorn serving `app` from a daemon thread on 127.0.0.1:<free port>; a context manager."""
+    """uvicorn serving `app` from a daemon thread on 127.0.0.1:<free port> with the timeouts of
+    `options` (those of `tokenhaul serve`); a context manager."""
 
-    def __init__(self, app) -> None:
+    def __init__(self, app, options: ServerOptions | None = None) -> None:
         self.sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
         self.sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         self.sock.bind(("127.0.0.1", 0))
         self.url = f"http://127.0.0.1:{self.sock.getsockname()[1]}"
-        self.server = uvicorn.Server(uvicorn.Config(app, log_level="warning", access_log=False,
-                                                    timeout_graceful_shutdown=5))
+        self.server = uvicorn.Server(uvicorn_config(app, options or ServerOptions(), log_level="warning",
+                                                    access_log=False, timeout_graceful_shutdown=5))
         self.thread = threading.Thread(target=self.server.run, kwargs={"sockets": [self.sock]}, daemon=True)
 
     def __enter__(self) -> ServerThread:

@@ -4,6 +4,8 @@ and the error handlers that turn every refusal into an OpenAI error body."""
 from __future__ import annotations
 
 import asyncio
+import dataclasses
+import json
 import logging
 import signal
 import threading
@@ -14,26 +16,66 @@ from typing import Any
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response
+from fastapi.routing import APIRoute
 from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.middleware.cors import CORSMiddleware
 
 from tokenhaul.errors import TokenhaulError
 from tokenhaul.server import protocol as P
 from tokenhaul.server.async_engine import AsyncEngine
+from tokenhaul.server.guards import LOOPBACK_HOSTS, Guard, ServerOptions
+from tokenhaul.server.http_protocol import uvicorn_config
 from tokenhaul.server.metrics import CONTENT_TYPE
 from tokenhaul.server.openai_api import APIError, ClientGone, OpenAIHandlers
 
 _ERRORS: dict[int | str, dict[str, Any]] = {
     400: {"model": P.ErrorResponse, "description": "Invalid request"},
+    401: {"model": P.ErrorResponse, "description": "Missing or invalid API key"},
     404: {"model": P.ErrorResponse, "description": "Unknown model"},
+    413: {"model": P.ErrorResponse, "description": "Request body too large"},
     429: {"model": P.ErrorResponse, "description": "Waiting queue full; retry later"},
     503: {"model": P.ErrorResponse, "description": "Engine not running"},
 }
 log = logging.getLogger("tokenhaul.server")
 
 
-def build_app(engine: AsyncEngine, manage_engine: bool = True, start_core: bool = True) -> FastAPI:
-    """The ASGI app over one engine; with manage_engine the app's lifespan starts and stops it
-    (and, with start_core, starts the core's step loop in a thread of its own)."""
+class _OffLoopJSONRequest(Request):
+    """A request whose JSON body is parsed in a worker thread (a 2 MB body of small objects takes
+    ~0.1 s to parse, which must not stall every other request on the event loop) and refused if a
+    string holds a lone UTF-16 surrogate ("\\ud800" is valid JSON but no text can be made of it)."""
+
+    async def json(self) -> Any:
+        if not hasattr(self, "_json"):
+            self._json = await asyncio.to_thread(_parse_json, await self.body())
+        return self._json
+
+
+def _parse_json(body: bytes) -> Any:
+    obj = json.loads(body)
+    if b"\\u" in body or not body.isascii():  # only an escape or raw bytes can carry a surrogate
+        try:
+            json.dumps(obj, ensure_ascii=False).encode()
+        except UnicodeEncodeError:
+            raise json.JSONDecodeError("a string holds a lone UTF-16 surrogate (invalid Unicode)", "", 0) from None
+    return obj
+
+
+class _Route(APIRoute):
+    def get_route_handler(self):  # noqa: ANN201 (starlette's handler type)
+        handler = super().get_route_handler()
+
+        async def route(request: Request) -> Response:
+            return await handler(_OffLoopJSONRequest(request.scope, request.receive))
+
+        return route
+
+
+def build_app(engine: AsyncEngine, options: ServerOptions | None = None, manage_engine: bool = True,
+              start_core: bool = True) -> FastAPI:
+    """The ASGI app over one engine, guarded by `options` (key, hosts, origins, body limit); with
+    manage_engine the app's lifespan starts and stops the engine (and, with start_core, starts the
+    core's step loop in a thread of its own)."""
+    options = options or ServerOptions()
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
@@ -45,9 +87,15 @@ def build_app(engine: AsyncEngine, manage_engine: bool = True, start_core: bool 
             if manage_engine:
                 await engine.shutdown()
 
-    app = FastAPI(title="tokenhaul", version="0.1.0", lifespan=lifespan,
+    docs = {} if options.docs else {"docs_url": None, "redoc_url": None, "openapi_url": None}
+    app = FastAPI(title="tokenhaul", version="0.1.0", lifespan=lifespan, **docs,
                   description="OpenAI-compatible completions and chat over the tokenhaul engine.")
+    app.router.route_class = _Route
     app.state.engine = engine
+    app.add_middleware(Guard, options=options)
+    if options.allowed_origins:  # outermost: preflights are answered before the key is asked for
+        app.add_middleware(CORSMiddleware, allow_origins=list(options.allowed_origins),
+                           allow_methods=["GET", "POST"], allow_headers=["authorization", "content-type"])
     api = OpenAIHandlers(engine)
 
     @app.exception_handler(APIError)
@@ -67,10 +115,6 @@ def build_app(engine: AsyncEngine, manage_engine: bool = True, start_core: bool 
     @app.exception_handler(ClientGone)
     async def _gone(request: Request, exc: ClientGone) -> Response:
         return Response(status_code=499)  # nobody reads it: the client has gone
-
-    @app.exception_handler(Exception)
-    async def _unexpected(request: Request, exc: Exception) -> JSONResponse:
-        return APIError(500, f"internal error: {type(exc).__name__}", "server_error").response()
 
     @app.get("/health", responses={503: _ERRORS[503]})
     async def health() -> dict[str, Any]:
@@ -126,7 +170,7 @@ def _validation_error(exc: RequestValidationError) -> APIError:
 
 
 def serve(engine: AsyncEngine, host: str = "127.0.0.1", port: int = 8000, log_level: str = "info",
-          access_log: bool = False, shutdown_timeout: float = 30.0) -> None:
+          access_log: bool = False, shutdown_timeout: float = 30.0, options: ServerOptions | None = None) -> None:
     """Serve until SIGTERM / SIGINT (blocking): uvicorn's event loop in a background thread, the
     client's `run()` in this thread — for an in-process core its step loop, here in the thread that
     loaded the model, where CPU steps run ~15 % faster than in a fresh thread (measured on
@@ -134,11 +178,16 @@ def serve(engine: AsyncEngine, host: str = "127.0.0.1", port: int = 8000, log_le
 
     The first signal drains: new requests get 503 while the ones in flight finish (for at most
     `shutdown_timeout` seconds), then the process returns normally. A second signal stops at once
-    (KeyboardInterrupt). If the engine loop dies, this raises EngineDied: a supervisor sees a failure."""
+    (KeyboardInterrupt). If the engine loop dies, this raises EngineDied: a supervisor sees a failure.
+    Bound to loopback without `options.allowed_hosts`, only loopback Host headers are answered (a web
+    page cannot reach the server by DNS rebinding)."""
     import uvicorn
 
-    config = uvicorn.Config(build_app(engine, start_core=False), host=host, port=port, log_level=log_level,
-                            access_log=access_log, timeout_graceful_shutdown=5)
+    options = options or ServerOptions()
+    if options.allowed_hosts is None and host in LOOPBACK_HOSTS:
+        options = dataclasses.replace(options, allowed_hosts=LOOPBACK_HOSTS)
+    config = uvicorn_config(build_app(engine, options, start_core=False), options, host=host, port=port,
+                            log_level=log_level, access_log=access_log, timeout_graceful_shutdown=5)
     server = uvicorn.Server(config)
     draining = threading.Event()
 

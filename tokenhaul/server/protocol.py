@@ -6,15 +6,19 @@ document them in the OpenAPI schema and the tests check the dicts against them."
 
 from __future__ import annotations
 
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from tokenhaul.errors import RequestError
 from tokenhaul.sampling_params import SamplingParams
 
 MAX_N = 16  # choices per call
 MAX_STOP = 16  # stop strings per request
+MAX_STOP_CHARS = 256  # characters per stop string
+MAX_STOP_TOKEN_IDS = 256
+MAX_MESSAGES = 1024  # chat messages per request
+StopText = Annotated[str, Field(max_length=MAX_STOP_CHARS)]
 
 
 class _Body(BaseModel):
@@ -31,7 +35,8 @@ class _SamplingFields(_Body):
     temperature: float | None = None
     top_p: float | None = None
     n: int = Field(1, ge=1, le=MAX_N)
-    stop: str | list[str] | None = None
+    stop: StopText | Annotated[list[StopText], Field(max_length=MAX_STOP)] | None = Field(
+        None, description=f"up to {MAX_STOP} strings of at most {MAX_STOP_CHARS} characters")
     seed: int | None = None
     presence_penalty: float | None = None
     frequency_penalty: float | None = None
@@ -43,7 +48,7 @@ class _SamplingFields(_Body):
     min_p: float | None = None
     repetition_penalty: float | None = None
     ignore_eos: bool = False
-    stop_token_ids: list[int] | None = None
+    stop_token_ids: list[int] | None = Field(None, max_length=MAX_STOP_TOKEN_IDS)
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
     use_beam_search: bool = False  # tokenhaul: transformers' num_beams semantics; each choice is the best beam
@@ -62,8 +67,6 @@ class _SamplingFields(_Body):
             if v is not None
         }
         stop = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
-        if len(stop) > MAX_STOP:
-            raise RequestError(f"stop has {len(stop)} strings; at most {MAX_STOP}")
         return SamplingParams(max_tokens=max_tokens, seed=seed, stop=stop, logprobs=logprobs,
                               ignore_eos=self.ignore_eos, stop_token_ids=list(self.stop_token_ids or []),
                               skip_special_tokens=self.skip_special_tokens,
@@ -113,7 +116,15 @@ class ChatMessage(_Body):
 
 
 class ChatCompletionRequest(_SamplingFields):
-    messages: list[ChatMessage] = Field(min_length=1)
+    messages: list[ChatMessage] = Field(min_length=1, max_length=MAX_MESSAGES)
+
+    @model_validator(mode="before")
+    @classmethod
+    def _count_first(cls, data: Any) -> Any:
+        """Refuse too many messages before validating each of them (100 k would stall the server)."""
+        if isinstance(data, dict) and isinstance(data.get("messages"), list) and len(data["messages"]) > MAX_MESSAGES:
+            raise ValueError(f"messages: {len(data['messages'])} messages; at most {MAX_MESSAGES}")
+        return data
     logprobs: bool = False
     top_logprobs: int | None = None
     max_completion_tokens: int | None = None
