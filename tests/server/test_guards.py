@@ -224,4 +224,4 @@ def test_generation_deadline_ends_requests_with_timeout(tokenizer):
             data = [ln[6:] for ln in s.iter_lines() if ln.startswith("data: ")]
         assert data[-1] == "[DONE]" and json.loads(data[-2])["choices"][0]["finish_reason"] == "timeout"
         wait_idle(engine)
-        assert engine.core_thread.stats.kv_blocks_used == 0
+        assert engine.client.core_thread.stats.kv_blocks_used == 0
