@@ -4,6 +4,7 @@ per node, one OpenAI endpoint in front, and SIGTERM stops the server cleanly (th
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import subprocess
@@ -43,6 +44,7 @@ def test_serve_joins_a_two_node_cluster(tmp_path, tokenizer):
             health = httpx.get(url + "/health").json()["replicas"]
             nodes_used = {r["where"].split()[1] for r in health.values()}
             assert len(health) == 2 and len(nodes_used) == 2, health  # one replica on each Ray node
+            print(json.dumps(health, indent=1))  # (seen with pytest -s)
 
             client = openai.OpenAI(base_url=url + "/v1", api_key="none", max_retries=0, timeout=120)
             served = set()
@@ -52,6 +54,8 @@ def test_serve_joins_a_two_node_cluster(tmp_path, tokenizer):
                 served.add(raw.headers["x-tokenhaul-replica"])
                 assert raw.parse().usage.completion_tokens == 6
             assert served == {"0", "1"}  # both nodes answered through the one endpoint
+            print(httpx.get(url + "/metrics").text.count('replica="'), "series with a replica label;",
+                  [ln for ln in httpx.get(url + "/metrics").text.splitlines() if ln.startswith("tokenhaul_routing")])
 
             server.send_signal(signal.SIGTERM)
             assert server.wait(60) == 0, (tmp_path / "serve.log").read_text()[-3000:]
