@@ -32,12 +32,13 @@ class Run:
     out_tokens: int
     hit_rate: float
     per_replica: dict[str, int]
+    steps: int  # engine steps, all replicas: each reads every weight once
 
     def row(self) -> str:
         q = statistics.quantiles(self.ttft, n=100)
         spread = " / ".join(f"{n}:{c}" for n, c in sorted(self.per_replica.items()))
         return (f"| {self.name} | {self.out_tokens / self.e2e_s:.1f} | {q[49] * 1000:.0f} | {q[98] * 1000:.0f} | "
-                f"{self.hit_rate:.0%} | {spread} |")
+                f"{self.hit_rate:.0%} | {self.steps} | {spread} |")
 
 
 def workload(n: int, groups: int, prefix_len: int, suffix_len: int, seed: int = 0) -> list[list[int]]:
@@ -109,9 +110,11 @@ async def measure(client: EngineClient, name: str, prompts, params, concurrency:
         await d.run(workload(2, 2, 32, 8, seed=99), SamplingParams(max_tokens=2, temperature=0), 2, "warm")
         await asyncio.sleep(1.2)  # a fresh stats snapshot from every replica (polls return at least every 1 s)
         before = {r.name: (r.stats.prefix_hit_tokens, r.stats.prefix_query_tokens) for r in client.replicas()}
+        steps0 = sum(r.stats.num_steps for r in client.replicas())
         ttft, secs, toks, per = await d.run(prompts, params, concurrency, "run")
         await asyncio.sleep(1.2)
-        return Run(name, ttft, secs, toks, hit_rate(client, before), per)
+        steps = sum(r.stats.num_steps for r in client.replicas()) - steps0
+        return Run(name, ttft, secs, toks, hit_rate(client, before), per, steps)
 
 
 def step_seconds(client: EngineClient) -> float:
@@ -179,8 +182,8 @@ def main() -> None:
                                 args.concurrency))]
     print(f"\n## {args.requests} requests, {args.concurrency} in flight, {args.groups} shared prefixes of "
           f"{args.prefix_len} tokens + {args.suffix_len} distinct, {args.max_tokens} new tokens, greedy\n")
-    print("| setup | out tok/s | TTFT p50 ms | TTFT p99 ms | prefix hit rate | requests per replica |")
-    print("|---|---|---|---|---|---|")
+    print("| setup | out tok/s | TTFT p50 ms | TTFT p99 ms | prefix hit rate | engine steps | requests per replica |")
+    print("|---|---|---|---|---|---|---|")
     for r in runs:
         print(r.row())
     ray.shutdown()
