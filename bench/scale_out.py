@@ -162,7 +162,8 @@ def main() -> None:
     args = ap.parse_args()
     import ray
 
-    ray.init(address="local", num_cpus=2, include_dashboard=False, logging_level="warning")
+    ray.init(address="local", num_cpus=2, include_dashboard=False, logging_level="warning",
+             _system_config={"memory_monitor_refresh_ms": 0})  # as ReplicaPool's own local instance
     prompts = workload(args.requests, args.groups, args.prefix_len, args.suffix_len)
     params = SamplingParams(max_tokens=args.max_tokens, temperature=0, ignore_eos=True)
 
