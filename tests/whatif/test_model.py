@@ -96,3 +96,10 @@ def test_prediction_phases_follow_the_schedule():
     dram = hw([Tier("DRAM", 1e12, 100e9)])
     spec = predict(Workload("t", CFG, decoding=Decoding("speculative", 4, 0.8)), dram)  # 3.36 tokens per verify
     assert spec.tpot_s < predict(Workload("t", CFG), dram).tpot_s / 3
+
+
+def test_weight_only_formats_multiply_in_bf16_unless_measured():
+    gpu = Hardware("g", "g", (Tier("HBM", 80e9, 3e12),), {"bf16": 1e15, "int8": 2e15})
+    assert gpu.linear_flops("int8") == gpu.linear_flops("int4") == 1e15  # W8A16 / W4A16: bf16 math
+    cpu = Hardware("c", "c", (Tier("DRAM", 8e9, 2e10),), {"bf16": 9e10}, weight_only_flops={"int4": 3e10})
+    assert cpu.linear_flops("int4") == 3e10 and cpu.linear_flops("int8") == 9e10

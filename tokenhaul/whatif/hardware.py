@@ -44,7 +44,7 @@ class Hardware:
     name: str
     description: str
     tiers: tuple[Tier, ...]
-    flops: dict[str, float]  # FLOP/s per chip by operand format: fp32, bf16, int8, int4, attention
+    flops: dict[str, float]  # FLOP/s per chip by operand format (both operands): fp32, bf16, fp8, int8, attention
     chips: int = 1  # chips per model replica; 0 = as many as the weights and KV need
     tensor_parallel: int = 8  # chips sharing each layer (all-reduces); more chips form pipeline stages
     link_bandwidth: float = 0.0  # bytes/s per chip, one direction, chip to chip
@@ -54,6 +54,7 @@ class Hardware:
     group_overhead: float = 0.0  # seconds per attention group per layer per step
     token_overhead: float = 0.0  # seconds per token per step (host-side batch building)
     kernel_bandwidth: dict[str, float] = field(default_factory=dict)  # share of tier bandwidth per format
+    weight_only_flops: dict[str, float] = field(default_factory=dict)  # measured kernels for int8/int4 weights
     activation_bandwidth: float = 0.0  # bytes/s of elementwise traffic (0: the fastest tier's)
     gather_bandwidth: float = 0.0  # bytes/s of tokenhaul's gathered K/V copy (paged_kernel = "gather")
     paged_kernel: str = "fused"  # "fused": attention reads paged KV in place; "gather": tokenhaul's copy
@@ -61,8 +62,15 @@ class Hardware:
     pim: PIM | None = None
     source: str = ""
 
+    def linear_flops(self, fmt: str) -> float:
+        """FLOP/s of a linear whose weights are stored as `fmt`. The engine's int8 / int4 are weight-only:
+        they multiply in bf16 unless the profile measured a kernel for them (this-machine does)."""
+        if fmt in self.weight_only_flops:
+            return self.weight_only_flops[fmt]
+        return self.flops_for("bf16" if fmt in ("int8", "int4") else fmt)
+
     def flops_for(self, fmt: str) -> float:
-        """FLOP/s for an operand format; weight-only formats fall back to the activations' bf16."""
+        """FLOP/s for an operand format, else bf16's, else fp32's."""
         for f in (fmt, "bf16", "fp32"):
             if self.flops.get(f):
                 return self.flops[f]
@@ -94,6 +102,7 @@ def from_dict(d: dict, name: str, source: str = "") -> Hardware:
                         step_overhead=float(over.get("step_s", 0.0)), layer_overhead=float(over.get("layer_s", 0.0)),
                         group_overhead=float(over.get("group_s", 0.0)), token_overhead=float(over.get("token_s", 0.0)),
                         kernel_bandwidth={k: float(v) for k, v in d.get("kernel_bandwidth", {}).items()},
+                        weight_only_flops={k: float(v) for k, v in d.get("weight_only_flops", {}).items()},
                         activation_bandwidth=float(d.get("activation_bandwidth", 0.0)),
                         gather_bandwidth=float(d.get("gather_bandwidth", 0.0)),
                         paged_kernel=d.get("paged_kernel", "fused"), pj_per_flop=energy.get("pj_per_flop"),

@@ -200,13 +200,14 @@ def measure_profile() -> dict:
     """Measure every figure of this machine's profile (about half a minute on 2 cores)."""
     t0 = time.perf_counter()
     read_bw = cal.measure_bandwidth(nbytes=2**29)
-    flops, kernel_bw = {}, {}
+    flops, kernel_bw, weight_only = {}, {}, {}
     for fmt in available_formats():
-        kernel_bw[fmt], flops[fmt] = linear_rates(fmt, read_bw)
+        kernel_bw[fmt], rate = linear_rates(fmt, read_bw)
+        (flops if fmt in FORMATS else weight_only)[fmt] = rate
     gather_bw, flops["attention"] = attention_rates(read_bw)
     return {
         "name": THIS_MACHINE, "description": f"{cal.machine_key()} (calibrated)", "chips": 1,
-        "paged_kernel": "gather", "flops": flops, "kernel_bandwidth": kernel_bw,
+        "paged_kernel": "gather", "flops": flops, "weight_only_flops": weight_only, "kernel_bandwidth": kernel_bw,
         "gather_bandwidth": gather_bw, "activation_bandwidth": activation_bandwidth(),
         "overhead": engine_overheads(),
         "tier": [{"name": "L2", "capacity": _cache_bytes(2), "bandwidth": 0.0, "holds": False},
@@ -220,7 +221,8 @@ def this_machine(remeasure: bool = False, root: Path | None = None) -> Hardware:
     """This machine's calibrated profile: from the cache file, else measured now (and stored)."""
     key = cal.machine_key() + " | whatif-profile"
     entry = None if remeasure else cal.load_entry(key, root)
-    if entry is None or not set(available_formats()) <= set(entry["flops"]):  # a kernel added since: remeasure
+    # measured again when a kernel was registered after the cached entry was made
+    if entry is None or not set(available_formats()) <= set(entry["flops"]) | set(entry.get("weight_only_flops", {})):
         entry = measure_profile()
         cal.store_entry(key, entry, root)
     return from_dict(entry, THIS_MACHINE, str(cal.calibration_path(root)))

@@ -92,7 +92,7 @@ class StepModel:
         self.hw, self.costs, self.fmt, self.placement, self.block_size = hw, costs, weight_format, placement, block_size
         self.tiers = {t.name: t for t in hw.tiers}
         tp, chips = placement.tensor_parallel, placement.chips
-        self.flops_rate = hw.flops_for(weight_format) * tp  # per pipeline stage, which run one after another
+        self.flops_rate = hw.linear_flops(weight_format) * tp  # per pipeline stage, which run one after another
         self.attn_rate = hw.flops_for("attention") * tp
         self.chips = chips
 

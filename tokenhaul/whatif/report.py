@@ -135,7 +135,7 @@ def plots(preds: list[Prediction], out: Path) -> list[Path]:
     for p in preds:
         hw = p.hardware
         bw = max(t.bandwidth for t in hw.holding_tiers) * p.chips
-        peak = hw.flops_for(p.workload.quantization) * p.chips
+        peak = hw.linear_flops(p.workload.quantization) * p.chips
         xs = [0.01 * 1.5**i for i in range(40)]
         line, = ax.plot(xs, [min(peak, x * bw) for x in xs], label=hw.name)
         for ph, mk in (("prefill", "s"), ("decode", "o")):
