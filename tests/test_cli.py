@@ -71,6 +71,8 @@ def test_corrupted_part(capsys, tmp_path, monkeypatch):
     (["--max-tokens", "-4"], "max_tokens"),
     (["--top-p", "1.5"], "top_p"),
     (["--top-p", "0"], "top_p"),
+    (["--speculative", "medusa"], "speculative must be one of off, prompt_lookup, draft, jacobi"),
+    (["--num-speculative-tokens", "0"], "num_speculative_tokens"),
 ])
 def test_bad_sampling_flags(capsys, args, fragment):
     code, _, err = run_cli(capsys, "generate", "--prompt", "hi", *args)
@@ -106,6 +108,17 @@ def test_generate_json(capsys):
         assert key in led
     # default: SmolLM2's Q4_1 layers stay packed (int4) and its Q8_0 tied lm_head runs int8: ~95 MB per token
     assert 0.9e8 < led["weight_bytes_per_token"] < 1e8
+
+
+@pytest.mark.real_model
+def test_generate_speculative_flags(capsys):
+    base = ["generate", "--prompt", "Repeat: one two three four five six.", "--max-tokens", "12", "--temperature",
+            "0", "--ignore-eos", "--json", "--dtype", "fp32"]
+    plain = json.loads(run_cli(capsys, *base)[1])
+    code, out, _ = run_cli(capsys, *base, "--speculative", "prompt_lookup", "--num-speculative-tokens", "3")
+    assert code == 0 and json.loads(out)["token_ids"] == plain["token_ids"]
+    code, _, err = run_cli(capsys, *base, "--speculative", "draft")
+    assert_one_line_error(code, err, "needs an engine started with a draft model")
 
 
 def test_models_listing(capsys):

@@ -66,7 +66,12 @@ def test_greedy_equals_plain_alone_and_mixed(spec):
 
 
 def test_prompt_lookup_accepts_on_repetitive_input():
+    from tokenhaul.decoding.prompt_lookup import PromptLookup, lookup
+
+    assert lookup([1, 2, 3, 9, 1, 2, 3, 7, 5, 1, 2, 3], 2) == [7, 5]  # the latest match of the 3-gram
+    assert lookup([4, 4, 1, 2], 3) == []  # no 2-gram seen before
     core = core_with()
+    core.decoder.proposers["prompt_lookup"] = PromptLookup(min_ngram=1)  # a random model rarely copies 2-grams
     core.observer = counter = SpecCounter()
     base = [5, 17, 33, 2, 71, 40, 9, 61]
     run_requests(core, [base * 6], greedy("prompt_lookup", max_tokens=32))

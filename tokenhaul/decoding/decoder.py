@@ -4,8 +4,9 @@ strategy). A plain request is the case of zero drafts: one row, one sampled toke
 
 Strategies are Proposers in a registry keyed by `SamplingParams.speculative`. k adapts per request
 (+2 after a full acceptance, -1 otherwise, within [1, num_speculative_tokens], as HF's assisted
-generation); above `max_batch` running requests nothing is proposed, because verification then costs
-real compute instead of riding on idle bandwidth (bench/decoding.py measures where)."""
+generation); when even one draft is rejected the request drafts nothing for PAUSE steps, so text the
+strategy cannot guess costs little. Above `max_batch` running requests nothing is proposed, because
+verification then costs real compute instead of riding on idle bandwidth (bench/decoding.py)."""
 
 from __future__ import annotations
 
@@ -42,6 +43,9 @@ class Verdict:
     accepted: int  # drafts kept (len(samples) - 1)
 
 
+PAUSE = 4  # steps without drafts after a k=1 draft is rejected
+
+
 class Decoder:
     def __init__(self, proposers: dict[str, Proposer], max_model_len: int, max_batch: int = 8) -> None:
         self.proposers = proposers
@@ -49,6 +53,7 @@ class Decoder:
         self.max_batch = max_batch
         self._k: dict[str, int] = {}
         self._q: dict[str, torch.Tensor | None] = {}
+        self._pause: dict[str, int] = {}
 
     def verify(self, logits: torch.Tensor, chunks: list[ScheduledChunk]) -> list[Verdict]:
         """logits [R, V]: chunk after chunk, chunk.num_sampled rows each (its drafts, then the next)."""
@@ -92,7 +97,9 @@ class Decoder:
                 continue
             k = self._k.setdefault(r.request_id, r.params.num_speculative_tokens)
             r.num_lookahead = k if self.proposers[name].writes_kv else 0
-            if r.num_computed_tokens == r.num_tokens - 1:  # prompt done: drafts follow the last token
+            if self._pause.get(r.request_id, 0) > 0:
+                self._pause[r.request_id] -= 1
+            elif r.num_computed_tokens == r.num_tokens - 1:  # prompt done: drafts follow the last token
                 by_name.setdefault(name, []).append(r)
         for name, reqs in by_name.items():
             ks = [min(self._k[r.request_id], r.params.max_tokens - len(r.output_token_ids) - 1,
@@ -104,11 +111,14 @@ class Decoder:
         """Drop a finished or aborted request's strategy state."""
         self._k.pop(req.request_id, None)
         self._q.pop(req.request_id, None)
+        self._pause.pop(req.request_id, None)
         if req.params.speculative != "off":
             self.proposers[req.params.speculative].forget(req.request_id)
 
     def _adapt(self, req: Request, drafts: list[int], targets: list[int], accepted: int) -> None:
         k = self._k.get(req.request_id, len(drafts))
+        if accepted == 0 and len(drafts) == 1:
+            self._pause[req.request_id] = PAUSE
         k = k + 2 if accepted == len(drafts) else k - 1
         self._k[req.request_id] = max(1, min(req.params.num_speculative_tokens, k))
         self.proposers[req.params.speculative].observe(req, drafts, targets, accepted)

@@ -1,5 +1,5 @@
 """Prompt lookup (n-gram) drafting: find the latest earlier occurrence of the context's last n tokens
-(n from 3 down to 1) in the prompt and the text so far, and propose the tokens that followed it.
+(n from 3 down to 2) in the prompt and the text so far, and propose the tokens that followed it.
 Free to propose (no model), so it wins on input-grounded work: rewriting, quoting, summarising."""
 
 from __future__ import annotations
@@ -10,7 +10,7 @@ from numpy.lib.stride_tricks import sliding_window_view
 from tokenhaul.engine.request import Request
 
 
-def lookup(tokens: list[int] | np.ndarray, k: int, max_ngram: int = 3, min_ngram: int = 1) -> list[int]:
+def lookup(tokens: list[int] | np.ndarray, k: int, max_ngram: int = 3, min_ngram: int = 2) -> list[int]:
     """Up to k tokens that followed the latest earlier match of the longest matching suffix n-gram."""
     arr = np.asarray(tokens)
     for n in range(max_ngram, min_ngram - 1, -1):
@@ -27,7 +27,7 @@ def lookup(tokens: list[int] | np.ndarray, k: int, max_ngram: int = 3, min_ngram
 class PromptLookup:
     writes_kv = False
 
-    def __init__(self, max_ngram: int = 3, min_ngram: int = 1) -> None:
+    def __init__(self, max_ngram: int = 3, min_ngram: int = 2) -> None:  # 1-grams: mostly wrong guesses
         self.max_ngram = max_ngram
         self.min_ngram = min_ngram
 
