@@ -41,6 +41,8 @@ BAD = [
     (CMPL, {"prompt": "x", "logprobs": 50}, 400, "logprobs", None),
     (CMPL, {"prompt": "x", "presence_penalty": 9}, 400, "presence_penalty", None),
     (CMPL, {"prompt": "x", "echo": True}, 400, None, None),
+    (CMPL, {"prompt": "x", "speculative": "medusa"}, 400, None, None),
+    (CMPL, {"prompt": "x", "num_speculative_tokens": 99}, 400, None, None),
     (CMPL, {"prompt": LONG}, 400, "prompt", "context_length_exceeded"),
     (CMPL, {"prompt": [10**9]}, 400, None, None),
     (CMPL, {"prompt": [-3, 5]}, 400, None, None),

@@ -54,6 +54,8 @@ class _SamplingFields(_Body):
     use_beam_search: bool = False  # tokenhaul: transformers' num_beams semantics; each choice is the best beam
     beam_width: int | None = None
     length_penalty: float | None = None
+    speculative: str | None = None  # off | prompt_lookup | draft | jacobi (tokenhaul's)
+    num_speculative_tokens: int | None = None
 
     def sampling_params(self, max_tokens: int, logprobs: int | None, index: int = 0) -> SamplingParams:
         """SamplingParams of choice `index` (seeds differ per choice: seed + index)."""
@@ -63,7 +65,9 @@ class _SamplingFields(_Body):
                               ("presence_penalty", self.presence_penalty),
                               ("frequency_penalty", self.frequency_penalty), ("top_k", self.top_k),
                               ("min_p", self.min_p), ("repetition_penalty", self.repetition_penalty),
-                              ("beam_width", self.beam_width), ("length_penalty", self.length_penalty))
+                              ("beam_width", self.beam_width), ("length_penalty", self.length_penalty),
+                              ("speculative", self.speculative),
+                              ("num_speculative_tokens", self.num_speculative_tokens))
             if v is not None
         }
         stop = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
