@@ -1,0 +1,74 @@
+"""KVManager on a tiny pool (11 blocks of 4): exact block ids through allocate (with lookahead),
+truncate (rollback), fork (copy-on-write) and free; the pool is full again at the end."""
+
+from dataclasses import dataclass, field
+
+from tokenhaul.kv.block_pool import BlockPool
+from tokenhaul.kv.manager import KVManager
+from tokenhaul.kv.prefix_cache import PrefixCache
+
+
+@dataclass
+class Seq:
+    all_token_ids: list[int]
+    block_ids: list[int] = field(default_factory=list)
+    block_hashes: list[int] = field(default_factory=list)
+    num_computed_tokens: int = 0
+
+
+def manager(prefix=True):
+    pool = BlockPool(11, 4)
+    return KVManager(pool, PrefixCache(pool, prefix)), pool
+
+
+def test_allocate_with_lookahead_then_truncate():
+    kv, pool = manager()
+    s = Seq(list(range(6)))
+    assert kv.match(s) == 0
+    assert kv.allocate_slots(s, 6, lookahead=5) == []  # 11 slots → 3 blocks
+    assert s.block_ids == [0, 1, 2]
+    s.num_computed_tokens = 6
+    kv.truncate(s, 7)  # drafts rejected: keep the slots of 7 positions → 2 blocks
+    assert s.block_ids == [0, 1] and pool.num_free == 9
+    kv.free(s)
+    assert pool.num_free == 11 and s.num_computed_tokens == 0
+
+
+def test_allocate_refuses_without_changing_anything():
+    kv, pool = manager()
+    s, t = Seq(list(range(40))), Seq(list(range(8)))
+    assert kv.allocate_slots(s, 40) == []
+    assert kv.allocate_slots(t, 8) is None
+    assert t.block_ids == [] and pool.num_free == 1
+    kv.free(s)
+    assert pool.num_free == 11
+
+
+def test_fork_shares_blocks_and_copies_on_first_write():
+    kv, pool = manager(prefix=False)
+    parent = Seq(list(range(6)))
+    kv.allocate_slots(parent, 6)
+    parent.num_computed_tokens = 6  # blocks [0, 1]; block 1 half full
+    child = Seq(list(range(6)))
+    kv.fork(parent, child)
+    assert child.block_ids == [0, 1] and pool.ref[0] == pool.ref[1] == 2
+    copies = kv.allocate_slots(child, 1)  # writes position 6, in shared block 1
+    assert copies == [(1, 2)] and child.block_ids == [0, 2] and pool.ref[1] == 1
+    assert kv.allocate_slots(parent, 1) == []  # block 1 is the parent's alone again: written in place
+    kv.free(parent)
+    kv.free(child)
+    assert pool.num_free == 11 and pool.ref == [0] * 11
+
+
+def test_commit_caches_only_computed_full_blocks():
+    kv, pool = manager()
+    s = Seq(list(range(9)))
+    kv.allocate_slots(s, 9)
+    s.num_computed_tokens = 9
+    kv.commit(s)
+    assert len(s.block_hashes) == 2 and pool.num_cached == 2
+    kv.free(s)
+    t = Seq(list(range(9)) + [50])
+    assert kv.match(t) == 8 and t.block_ids == [0, 1]
+    kv.free(t)
+    assert pool.num_free == 11
