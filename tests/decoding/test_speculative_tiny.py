@@ -114,3 +114,21 @@ def test_draft_request_without_draft_model_is_refused():
 
     with pytest.raises(RequestError, match="draft model"):
         core_with().add_request("r", [1, 2, 3], greedy("draft"))
+
+
+def test_ledger_counts_drafts_per_request():
+    from tokenhaul.ledger.costs import ModelCosts
+    from tokenhaul.ledger.ledger import Ledger
+
+    core = core_with(draft=True)
+    led = core.observer = Ledger(ModelCosts.from_model(core.model, 4))
+    ps = prompts(3)
+    out = run_requests(core, ps, greedy("draft", max_tokens=16))
+    spans = {s.request_id: s for s in led.requests}
+    assert sum(s.proposed for s in spans.values()) == led.proposed_tokens > 0
+    assert sum(s.rejected for s in spans.values()) == led.rejected_tokens > 0
+    assert led.rejected_tokens == led.proposed_tokens - led.accepted_tokens
+    assert all(s.rejected_bytes > 0 and s.rejected_s > 0 for s in spans.values() if s.rejected)
+    assert led.prompt_tokens == sum(len(p) for p in ps)  # verify chunks are decode work, not prompt
+    assert led.recomputed_tokens == 0  # rejected positions computed again are not "recomputed"
+    assert sum(s.sampled for s in spans.values()) == sum(len(o) for o in out)

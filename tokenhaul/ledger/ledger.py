@@ -75,6 +75,8 @@ class RequestSpan:
     finish_reason: str | None = None
     proposed: int = 0  # speculative draft tokens verified
     accepted: int = 0  # of which kept
+    rejected_bytes: int = 0  # bytes moved only because of rejected drafts (marginal, from costs.py)
+    rejected_s: float = 0.0  # forward time of rejected drafts (the step's, by their share of its tokens)
 
     @property
     def rejected(self) -> int:
@@ -118,6 +120,8 @@ class Ledger:
         self.num_steps = self.num_tokens = self.num_preemptions = 0
         self.recomputed_tokens = self.rejected_tokens = self.prompt_tokens = 0
         self.proposed_tokens = self.accepted_tokens = 0  # speculative drafts verified / kept
+        self.rejected_bytes = 0
+        self.rejected_seconds = 0.0
         self.kv_blocks_peak = 0
         self._live: dict[str, RequestSpan] = {}
         self._closing: OrderedDict[str, RequestSpan] = OrderedDict()  # finished, last tokens in flight
@@ -163,6 +167,8 @@ class Ledger:
         logit_rows = len(set(record.sampled)) + sum(drafts.values())
         costs = step_costs(self.costs, pairs, logit_rows, record.kv_copy_tokens, record.kv_block_size,
                            record.kv_view_slots, record.attn_groups or None)
+        if record.rejected_tokens:
+            self._charge_rejected(record, rejected, tokens, logit_rows, costs)
         seconds = 0.0
         stages = self.stage_seconds
         for k, v in record.stage_seconds.items():
@@ -189,6 +195,23 @@ class Ledger:
         self.steps.append(StepEntry(record, costs, tokens, prefill, recomputed, gap, seconds))
         # a gap counts only while requests are in flight (idle time of a server is not coordination)
         self._last_end = record.t_start + seconds if live else None
+
+    def _charge_rejected(self, record: StepRecord, rejected: dict[str, int],
+                         tokens: int, logit_rows: int, costs: StepCosts) -> None:
+        """Bytes: this step's cost minus the cost of the same step without the rejected drafts;
+        time: the forward's, by the rejected drafts' share of the step's tokens."""
+        kept = [(start, n - rejected.get(rid, 0)) for (rid, start, n) in record.chunks]
+        without = step_costs(self.costs, kept, logit_rows - record.rejected_tokens, record.kv_copy_tokens,
+                             record.kv_block_size, record.kv_view_slots)
+        forward = record.stage_seconds.get("forward", 0.0)
+        for rid, r in rejected.items():
+            span = self._live.get(rid)
+            if span is not None and r:
+                b = (costs.total_bytes - without.total_bytes) * r // record.rejected_tokens
+                span.rejected_bytes += b
+                span.rejected_s += forward * r / tokens
+                self.rejected_bytes += b
+                self.rejected_seconds += forward * r / tokens
 
     def on_finish(self, request: Request) -> None:
         rid = request.request_id
@@ -282,6 +305,8 @@ class Ledger:
             "rejected_tokens": self.rejected_tokens,
             "proposed_tokens": self.proposed_tokens,
             "accepted_tokens": self.accepted_tokens,
+            "rejected_bytes": self.rejected_bytes,
+            "rejected_seconds": self.rejected_seconds,
             "kv_blocks_peak": self.kv_blocks_peak,
             "calibration": {"bandwidth_gb_per_s": roof.bandwidth / 1e9, "gflop_per_s": roof.peak_flops / 1e9,
                             "key": roof.key},

@@ -98,7 +98,10 @@ def trace_events(ledger: Ledger) -> list[dict]:
         if span.finish_t is not None:
             ev.append({"ph": "i", "s": "t", "pid": REQUESTS, "tid": rtid(rid), "name": f"finish: {span.finish_reason}",
                        "ts": _us(span.finish_t, t0), "args": {"ttft_ms": (span.ttft or 0.0) * 1e3,
-                                                               "recomputed": span.recomputed}})
+                                                               "recomputed": span.recomputed,
+                                                               "drafts_proposed": span.proposed,
+                                                               "drafts_accepted": span.accepted,
+                                                               "drafts_rejected": span.rejected}})
     return ev
 
 
