@@ -24,6 +24,9 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                    help="auto (keep the file's packed bits where a kernel exists), none, int8, int4[:32|64|128]")
     p.add_argument("--kv-dtype", default="auto",
                    help="KV cache: auto (as --dtype), fp32, bf16, int8 (per-token-per-head scales, ~0.53x bf16 bytes)")
+    p.add_argument("--sparsity", type=float, default=0.0,
+                   help="activation sparsity: share of each projection's inputs zeroed, their weight rows not read "
+                        "(0.25, 0.4, 0.5; thresholds calibrated once per model); 0 = off")
     p.add_argument("--kv-memory", type=float, default=1.0, dest="kv_memory_gib", help="KV cache budget, GiB")
     p.add_argument("--num-kv-blocks", type=int, default=None, help="KV cache budget in blocks (overrides)")
     p.add_argument("--block-size", type=int, default=16)
@@ -39,7 +42,7 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
 
 
 def engine_kwargs(args: argparse.Namespace) -> dict:
-    keys = ("device", "dtype", "kv_dtype", "threads", "quantization", "kv_memory_gib", "num_kv_blocks",
+    keys = ("device", "dtype", "kv_dtype", "sparsity", "threads", "quantization", "kv_memory_gib", "num_kv_blocks",
             "block_size", "max_model_len", "max_num_batched_tokens", "max_num_seqs", "enable_prefix_caching",
             "draft_model", "itl_target_ms")
     return {k: getattr(args, k) for k in keys}
@@ -75,7 +78,7 @@ def options_line(llm) -> str:
     c = llm.config
     kv = str(c.kv_torch_dtype).removeprefix("torch.")
     return (f"{llm.files.name} quantization {c.quantization}, dtype {c.dtype}, kv {c.kv_dtype} → {kv} "
-            f"({llm.costs.kv_bytes_per_token / 1e3:.1f} kB KV per token)")
+            f"({llm.costs.kv_bytes_per_token / 1e3:.1f} kB KV per token), sparsity {c.sparsity:g}")
 
 
 def cmd_generate(args: argparse.Namespace, chat: bool = False) -> None:
@@ -158,6 +161,17 @@ def cmd_calibrate(args: argparse.Namespace) -> None:
     roof, entry = calibrate(args.device)
     print(f"{roof.key}: read {roof.bandwidth / 1e9:.1f} GB/s, fp32 GEMM {roof.peak_flops / 1e9:.0f} GFLOP/s, "
           f"ridge {roof.ridge:.1f} FLOP/byte (measured in {entry['measure_seconds']:.1f} s) → {calibration_path()}")
+
+
+def cmd_calibrate_sparsity(args: argparse.Namespace) -> None:
+    from tokenhaul.layers.sparse_calibration import calibration_path, load_or_calibrate
+    from tokenhaul.llm import LLM
+
+    llm = LLM(args.model, **(engine_kwargs(args) | {"sparsity": 0.0, "enable_prefix_caching": False}))
+    th = load_or_calibrate(llm, args.sparsity or 0.4, force=True)
+    data = json.loads(calibration_path(llm.files.cache_dir).read_text())
+    print(f"{llm.files.name}: thresholds for sparsity {', '.join(data['levels'])} over {len(th)} projections "
+          f"({data['sample']}) in {data['seconds']:.1f} s → {calibration_path(llm.files.cache_dir)}")
 
 
 def cmd_whatif(args: argparse.Namespace) -> None:
@@ -332,6 +346,9 @@ def build_parser() -> argparse.ArgumentParser:
     ep.add_argument("--stride", type=int, default=256, help="tokens between window starts")
     ep.add_argument("--json", action="store_true", help="print one JSON object")
     ep.set_defaults(func=cmd_eval_ppl)
+    cs = sub.add_parser("calibrate-sparsity", help="calibrate activation-sparsity thresholds for a model (cached)")
+    add_engine_args(cs)
+    cs.set_defaults(func=cmd_calibrate_sparsity)
     c = sub.add_parser("calibrate", help="measure read bandwidth and fp32 GEMM FLOP/s for the roofline")
     c.add_argument("--device", default="cpu")
     c.add_argument("--threads", type=int, default=None)

@@ -32,12 +32,16 @@ class EngineConfig:
     draft_model: str | None = None  # alias or GGUF path of a draft model sharing the target's vocabulary
     speculative_max_batch: int = 8  # above this many running requests nothing is drafted (bench/decoding.py)
     kv_dtype: str = "auto"  # auto (the compute dtype) | fp32 | bf16 | int8 (per-token-per-head scales, kv/int8.py)
+    sparsity: float = 0.0  # share of projection inputs zeroed (TEAL, layers/linear_sparse.py); 0 = off
     itl_target_ms: float = 0.0  # > 0: prefill chunks sized so each step's predicted time stays under it; 0 = off
     quantization: str = "auto"  # auto | none | int8 | int4[:32|64|128]; see layers/quantization.py
 
     def __post_init__(self) -> None:
         if self.dtype not in DTYPES:
             raise TokenhaulError(f"unknown dtype '{self.dtype}' (choose from {', '.join(DTYPES)})")
+        if not (isinstance(self.sparsity, (int, float)) and 0.0 <= self.sparsity <= 0.9):
+            raise TokenhaulError(f"--sparsity must be 0 (off) or a share of inputs in (0, 0.9] such as 0.25, 0.4, "
+                                 f"0.5; got {self.sparsity}")
         if self.kv_dtype not in KV_DTYPES:
             raise TokenhaulError(f"unknown --kv-dtype '{self.kv_dtype}' (choose from {', '.join(KV_DTYPES)})")
         if self.device.startswith("cuda") and not torch.cuda.is_available():

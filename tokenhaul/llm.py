@@ -35,6 +35,11 @@ class LLM:
         self.tokenizer = Tokenizer.from_gguf(self.files.gguf_path, self.files.cache_dir, self.files.name)
         self.draft_model = self._load_draft(self.config.draft_model) if self.config.draft_model else None
         self.core = EngineCore(self.config, self.model, draft_model=self.draft_model)
+        if self.config.sparsity:  # calibrated on the dense model (cached per model), then swapped in place
+            from tokenhaul.layers.linear_sparse import sparsify
+            from tokenhaul.layers.sparse_calibration import load_or_calibrate
+
+            sparsify(self.model, load_or_calibrate(self, self.config.sparsity), self.config.sparsity)
         self.costs = ModelCosts.from_model(
             self.model, KVCache.bytes_per_value(self.config.kv_torch_dtype, self.model.config.head_dim))
         self._ids = itertools.count()

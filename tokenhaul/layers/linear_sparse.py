@@ -1,0 +1,120 @@
+"""Activation sparsity (TEAL-style, training-free): inputs under a calibrated magnitude are zeroed and the
+weight columns of those inputs are never read.
+
+The weight is stored by input channel, `[in, out]`: one contiguous row per input, so a skipped input's
+bytes are never touched. A step of up to `max_rows` rows runs `embedding_bag` over each row's kept inputs
+(a gathered GEMV: Σ x_i · W[i, :] over kept i, no copy of the rows); bigger steps (prefill, large
+batches, where the rows' kept sets together cover most inputs) run one dense GEMM on the zeroed inputs.
+Storage follows the wrapped linear's bits: float rows as they are ("dense"); "int8" rows quantized per
+input channel (fbgemm's rowwise layout: uint8 values then an fp32 scale and offset per row); "int4" rows
+split into groups of GROUP4 outputs, each 4-bit with an fp16 scale and offset (4.5 bits per weight), one
+bag per output group (the gathered rows of a group stay contiguous: 36 bytes).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from tokenhaul.layers.linear import Linear, register
+
+# Rows at or under which the gathered kernel runs (bench/bytes.py measures the crossover; above it the
+# kept sets of the rows overlap so little that B gathered GEMVs read more than one dense pass).
+MAX_ROWS = 2
+GROUP4 = 64  # outputs per 4-bit row group
+
+
+def _rowwise_int8(wt: torch.Tensor) -> torch.Tensor:
+    """[in, out] float → fbgemm rowwise int8 [in, out + 8] (per-row fp32 scale and offset appended)."""
+    return torch.ops.quantized.embedding_bag_byte_prepack(wt.float().contiguous())
+
+
+@register("sparse")
+class SparseLinear(Linear):
+    """Wraps a built linear's weight as input-channel rows with a threshold; see the module docstring."""
+
+    def __init__(self, rows: torch.Tensor, storage: str, threshold: float, out_features: int,
+                 bias: torch.Tensor | None, max_rows: int = MAX_ROWS, sparsity: float = 0.0) -> None:
+        self.rows = rows  # [in, out] (bf16 / fp32) or [in, out + 8] uint8 rowwise int8
+        self.storage = storage  # "dense" (float rows) or "int8"
+        self.threshold = threshold
+        self.out_features = out_features
+        self.groups = out_features // GROUP4 if storage == "int4" else 1  # stored rows per input channel
+        self.in_features = rows.shape[0] // self.groups
+        self.bias = bias
+        self.max_rows = max_rows
+        self.sparsity = sparsity  # the calibrated target share of inputs under the threshold (for the ledger)
+        self.touched_bytes = 0  # bytes of weight rows the kernels read since the last reset (tests, bench)
+
+    @classmethod
+    def wrap(cls, inner: Linear, threshold: float, max_rows: int = MAX_ROWS, sparsity: float = 0.0) -> SparseLinear:
+        """Same bits as `inner`: dense stays at its dtype, packed formats (int8, int4) become rowwise int8
+        (int4 has no gathered kernel here; rowwise int8 is the nearest that does)."""
+        if inner.format == "dense":  # fp32 dense is already stored [in, out]
+            w = inner.weight
+            rows, storage = (w if inner.transposed else w.t()).contiguous(), "dense"
+        elif inner.format == "int4" and inner.out_features % GROUP4 == 0:
+            wt = inner.dequantize(torch.float32).t().reshape(-1, GROUP4)  # [in * out / G, G]
+            rows, storage = torch.ops.quantized.embedding_bag_4bit_prepack(wt.contiguous()), "int4"
+        else:
+            rows, storage = _rowwise_int8(inner.dequantize(torch.float32).t()), "int8"
+        return cls(rows, storage, threshold, inner.out_features, inner.bias, max_rows, sparsity)
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        keep = x.abs() >= self.threshold
+        if x.shape[0] > self.max_rows:
+            return self._add_bias(self._dense(torch.where(keep, x, 0)))
+        rows, cols = keep.nonzero(as_tuple=True)
+        offsets = torch.searchsorted(rows, torch.arange(x.shape[0], device=x.device))
+        self.touched_bytes += cols.numel() * self.row_bytes
+        if self.storage == "int4":  # one bag per output group j: rows i * groups + j over the kept inputs i
+            j = torch.arange(self.groups, device=x.device).view(-1, 1)
+            ends = torch.cat([offsets[1:], offsets.new_tensor([cols.numel()])])
+            y = torch.stack([self._bags4(cols[s:e], x[r, cols[s:e]].float(), j)
+                             for r, (s, e) in enumerate(zip(offsets.tolist(), ends.tolist()))])
+        elif self.storage == "int8":
+            y = torch.ops.quantized.embedding_bag_byte_rowwise_offsets(
+                self.rows, cols, offsets, False, 0, False, x[rows, cols].float())
+        else:
+            y = F.embedding_bag(cols, self.rows, offsets, mode="sum",
+                                per_sample_weights=x[rows, cols].to(self.rows.dtype))
+        return self._add_bias(y.float())
+
+    def _bags4(self, cols: torch.Tensor, w: torch.Tensor, j: torch.Tensor) -> torch.Tensor:
+        idx = (cols.view(1, -1) * self.groups + j).flatten()  # group-major: bag j holds group j of each row
+        offsets = j.flatten() * cols.numel()
+        return torch.ops.quantized.embedding_bag_4bit_rowwise_offsets(
+            self.rows, idx, offsets, False, 0, False, w.repeat(self.groups)).flatten()
+
+    def _dense(self, x: torch.Tensor) -> torch.Tensor:
+        self.touched_bytes += self.rows.nbytes
+        if self.storage == "int4":
+            w = torch.ops.quantized.embedding_bag_4bit_unpack(self.rows).view(self.in_features, -1)
+            return (x.to(torch.bfloat16) @ w.to(torch.bfloat16)).float()
+        if self.storage == "int8":
+            w = self.rows[:, :self.out_features].to(torch.bfloat16)
+            sb = self.rows[:, self.out_features:].contiguous().view(torch.float32)  # [in, 2] scale, offset
+            w = torch.addcmul(sb[:, 1:].bfloat16(), w, sb[:, :1].bfloat16())
+            return (x.to(torch.bfloat16) @ w).float()
+        return (x.to(self.rows.dtype) @ self.rows).float()
+
+    @property
+    def row_bytes(self) -> int:
+        """Bytes of one input channel's row (int8: its scale and offset included)."""
+        return self.rows.shape[1] * self.rows.element_size() * self.groups
+
+    def tensors(self) -> list[torch.Tensor]:
+        return [self.rows] + ([] if self.bias is None else [self.bias])
+
+
+SPARSE_LINEARS = ("qkv", "o", "gate_up", "down")  # every projection of a layer; the lm_head stays dense
+
+
+def sparsify(model, thresholds: dict[str, float], sparsity: float, max_rows: int = MAX_ROWS) -> None:
+    """Replace each layer projection named in `thresholds` ("blk.{i}.{name}") by its SparseLinear."""
+    for i, layer in enumerate(model.layers):
+        for name in SPARSE_LINEARS:
+            key = f"blk.{i}.{name}"
+            if key in thresholds and hasattr(layer, name):
+                setattr(layer, name, SparseLinear.wrap(getattr(layer, name), thresholds[key], max_rows,
+                                                                  sparsity))
