@@ -64,8 +64,12 @@ class SparseLinear(Linear):
         keep = x.abs() >= self.threshold
         if x.shape[0] > self.max_rows:
             return self._add_bias(self._dense(torch.where(keep, x, 0)))
-        rows, cols = keep.nonzero(as_tuple=True)
-        offsets = torch.searchsorted(rows, torch.arange(x.shape[0], device=x.device))
+        if x.shape[0] == 1:  # batch-1 decode: fewer small ops
+            cols = keep[0].nonzero().flatten()
+            rows, offsets = torch.zeros_like(cols), cols.new_zeros(1)
+        else:
+            rows, cols = keep.nonzero(as_tuple=True)
+            offsets = torch.searchsorted(rows, torch.arange(x.shape[0], device=x.device))
         self.touched_bytes += cols.numel() * self.row_bytes
         if self.storage == "int4":  # one bag per output group j: rows i * groups + j over the kept inputs i
             j = torch.arange(self.groups, device=x.device).view(-1, 1)

@@ -1,0 +1,148 @@
+"""Fewer bytes per token: quantization × KV dtype × activation sparsity, side by side in one run.
+
+For each option: weight and KV bytes per decoded token (ledger), decode tok/s at batch 1 and 8 at
+context 512 and 4096, perplexity (`eval ppl`'s harness, short windows; long windows for the KV rows),
+greedy agreement with the model's first row; then a fit of seconds per token against bytes per token.
+The batch-8 rows at 4096 share one cached prefix (prefill once), each sequence still attends its own 4 k.
+
+    flock /tmp/tokenhaul-bench.lock .venv/bin/python bench/bytes.py [--quick]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from tokenhaul import LLM, SamplingParams
+from tokenhaul.eval.perplexity import CORPUS_DIR, evaluate
+
+# (model, quantization, kv dtype, sparsity): a subset of the grid that isolates each option against its
+# own baseline (same bits), not the full product (which would take ~4x the run time).
+GRID = [
+    ("smollm2-135m", "none", "bf16", 0.0),
+    ("smollm2-135m", "none", "int8", 0.0),
+    ("smollm2-135m", "none", "bf16", 0.4),
+    ("smollm2-135m", "int8", "bf16", 0.0),
+    ("smollm2-135m", "int8", "bf16", 0.4),
+    ("smollm2-135m", "auto", "bf16", 0.0),
+    ("smollm2-135m", "auto", "int8", 0.0),
+    ("smollm2-135m", "auto", "bf16", 0.4),
+    ("qwen2.5-coder-0.5b", "auto", "bf16", 0.0),
+    ("qwen2.5-coder-0.5b", "auto", "int8", 0.0),
+    ("qwen2.5-coder-0.5b", "int8", "bf16", 0.0),
+    ("qwen2.5-coder-0.5b", "int8", "bf16", 0.4),
+]
+NEW = 12  # decoded tokens per measurement
+
+
+def text_prompts(llm: LLM, n: int, length: int) -> list[list[int]]:
+    ids = llm.tokenizer.encode((CORPUS_DIR / "en.txt").read_text(encoding="utf-8")
+                               + (CORPUS_DIR / "code.txt").read_text(encoding="utf-8"))
+    step = (len(ids) - length) // n
+    return [ids[i * step:i * step + length] for i in range(n)]
+
+
+def decode_rate(llm: LLM, prompts: list[list[int]]) -> tuple[float, dict, list[list[int]]]:
+    params = SamplingParams(max_tokens=NEW, temperature=0, ignore_eos=True)
+    outs = llm.generate(prompts, params)
+    s = outs[0].ledger.summary()
+    return s["decode_tokens_per_s"], s, [o.token_ids for o in outs]
+
+
+def run_option(model: str, quant: str, kv: str, sparsity: float, ref: dict | None, long_ppl: bool) -> dict:
+    t0 = time.perf_counter()
+    llm = LLM(model, quantization=quant, kv_dtype=kv, sparsity=sparsity, max_num_batched_tokens=4096,
+              max_num_seqs=8, kv_memory_gib=0.5)
+    load_s = time.perf_counter() - t0
+    row = {"model": model, "quantization": quant, "kv_dtype": kv, "sparsity": sparsity, "load_s": load_s}
+    llm.generate([1, 2, 3, 4], SamplingParams(max_tokens=2))  # warm up
+    p512 = text_prompts(llm, 8, 500)
+    for ctx, base in ((512, p512), (4096, None)):
+        if base is None:  # one 4080-token prefix, cached once; 8 sequences differ in their last tokens
+            prefix = text_prompts(llm, 1, 4080)[0]
+            llm.generate(prefix, SamplingParams(max_tokens=1))
+            base = [prefix + [100 + i] for i in range(8)]
+        r1, s1, _ = decode_rate(llm, base[:1])
+        r8, s8, toks = decode_rate(llm, base)
+        row[f"tps_b1_{ctx}"], row[f"tps_b8_{ctx}"] = r1, r8
+        if ctx == 512:
+            row["weight_bytes_per_token"] = s1["weight_bytes_per_token"]
+            row["kv_bytes_per_token_512"] = s1["kv_bytes_per_token"]
+            row["tokens_512"] = toks
+        else:
+            row["kv_bytes_per_token_4096"] = s1["kv_bytes_per_token"]
+    llm.core.prefix_cache.enabled = False  # perplexity windows must each be one computed prefill chunk
+    row["ppl"] = evaluate(llm, None, 1536, 512, 256)["perplexity"]
+    if long_ppl:  # one 4096-token window of English prose: the KV dtype's effect at long context
+        row["ppl_long"] = evaluate(llm, CORPUS_DIR / "en.txt", 4096, 4096, 4096)["perplexity"]
+    if ref is not None:
+        pairs = [(a, b) for ra, rb in zip(ref["tokens_512"], row["tokens_512"]) for a, b in zip(ra, rb)]
+        row["agreement"] = sum(a == b for a, b in pairs) / len(pairs)
+    row["seconds"] = time.perf_counter() - t0
+    return row
+
+
+def fit(rows: list[dict]) -> tuple[float, float, float]:
+    """seconds per token = t0 + bytes / bw over the batch-1 rows at 512 and 4096; returns (bw, t0, R²)."""
+    x, y = [], []
+    for r in rows:
+        for ctx in (512, 4096):
+            x.append(r["weight_bytes_per_token"] + r[f"kv_bytes_per_token_{ctx}"])
+            y.append(1.0 / r[f"tps_b1_{ctx}"])
+    x, y = np.array(x), np.array(y)
+    slope, t0 = np.polyfit(x, y, 1)
+    pred = t0 + slope * x
+    r2 = 1 - ((y - pred) ** 2).sum() / ((y - y.mean()) ** 2).sum()
+    return 1 / slope, t0, r2
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__)
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--quick", action="store_true", help="SmolLM2 rows only")
+    ap.add_argument("--json", default="bench/bytes.json")
+    args = ap.parse_args()
+    torch.set_num_threads(args.threads)
+    rows: list[dict] = []
+    refs: dict[str, dict] = {}
+    for model, quant, kv, sp in GRID:
+        if args.quick and model != "smollm2-135m":
+            continue
+        r = run_option(model, quant, kv, sp, refs.get(model), long_ppl=(sp == 0.0))
+        refs.setdefault(model, r)
+        rows.append(r)
+        print(f"{model} {quant}/{kv}/{sp}: done in {r['seconds']:.0f} s", flush=True)
+    print("\n| model | quant | KV | sparsity | weight MB/tok | KV kB/tok @512 / @4096 | tok/s b1 512 | b8 512 | "
+          "b1 4096 | b8 4096 | ppl (512 win) | ppl (4096 win, en) | greedy agree |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|---|")
+    for r in rows:
+        print(f"| {r['model']} | {r['quantization']} | {r['kv_dtype']} | {r['sparsity']:g} | "
+              f"{r['weight_bytes_per_token'] / 1e6:.1f} | {r['kv_bytes_per_token_512'] / 1e3:.0f} / "
+              f"{r['kv_bytes_per_token_4096'] / 1e3:.0f} | {r['tps_b1_512']:.1f} | {r['tps_b8_512']:.1f} | "
+              f"{r['tps_b1_4096']:.1f} | {r['tps_b8_4096']:.1f} | {r['ppl']:.3f} | "
+              f"{r.get('ppl_long', float('nan')):.3f} | {r.get('agreement', 1.0):.2f} |")
+    for model in refs:
+        mr = [r for r in rows if r["model"] == model]
+        bw, t0, r2 = fit(mr)
+        print(f"\nfit {model}: s/token = {t0 * 1e3:.1f} ms + bytes / {bw / 1e9:.2f} GB/s  (R² {r2:.2f}, batch 1)")
+        for r in mr:
+            for ctx in (512, 4096):
+                b = r["weight_bytes_per_token"] + r[f"kv_bytes_per_token_{ctx}"]
+                pred = 1 / (t0 + b / bw)
+                off = r[f"tps_b1_{ctx}"] / pred - 1
+                if abs(off) > 0.2:
+                    print(f"  outlier {r['quantization']}/{r['kv_dtype']}/{r['sparsity']:g} @{ctx}: "
+                          f"{r[f'tps_b1_{ctx}']:.1f} tok/s vs {pred:.1f} predicted ({off:+.0%})")
+    for r in rows:
+        r.pop("tokens_512", None)
+    Path(args.json).write_text(json.dumps(rows, indent=1))
+    print(f"\nJSON: {args.json}")
+
+
+if __name__ == "__main__":
+    main()
