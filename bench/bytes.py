@@ -87,6 +87,38 @@ def run_option(model: str, quant: str, kv: str, sparsity: float, ref: dict | Non
     return row
 
 
+def crossover(reps: int = 5) -> None:
+    """Gathered (sparse 0.4) vs dense kernels of all 120 SmolLM2 layer projections at M rows, min of reps,
+    interleaved: where the gathered path stops paying (linear_sparse.MAX_ROWS)."""
+    from tokenhaul.layers.linear_dense import DenseLinear
+    from tokenhaul.layers.linear_int4 import Int4Linear
+    from tokenhaul.layers.linear_int8 import Int8Linear
+    from tokenhaul.layers.linear_sparse import SparseLinear
+
+    cpu = torch.device("cpu")
+    shapes = [(576, 960), (576, 576), (576, 3072), (1536, 576)] * 30
+    builds = {"bf16": lambda w: DenseLinear.build([w], None, torch.bfloat16, cpu),
+              "int8": lambda w: Int8Linear.build([w], None, torch.bfloat16, cpu),
+              "int4": lambda w: Int4Linear.build([w], None, torch.bfloat16, cpu, 32)}
+    print("\n| kernel | M | dense ms | gathered ms (0.4) | dense / gathered |\n|---|---|---|---|---|")
+    for name, build in builds.items():
+        dense = [build(torch.randn(o, i) * 0.05) for i, o in shapes]
+        sparse = [SparseLinear.wrap(d, 0.0, max_rows=64) for d in dense]
+        for m in (1, 2, 3, 4, 8):
+            xs = [torch.randn(m, i) for i, _ in shapes]
+            for sp, x in zip(sparse, xs):
+                sp.threshold = float(torch.quantile(x.abs().flatten(), 0.4))
+            best = {"d": 1e9, "s": 1e9}
+            for _ in range(reps):
+                for key, lins in (("d", dense), ("s", sparse)):
+                    t = time.perf_counter()
+                    for lin, x in zip(lins, xs):
+                        lin(x)
+                    best[key] = min(best[key], time.perf_counter() - t)
+            print(f"| {name} | {m} | {best['d'] * 1e3:.1f} | {best['s'] * 1e3:.1f} | {best['d'] / best['s']:.2f} |",
+                  flush=True)
+
+
 def fit(rows: list[dict]) -> tuple[float, float, float]:
     """seconds per token = t0 + bytes / bw over the batch-1 rows at 512 and 4096; returns (bw, t0, R²)."""
     x, y = [], []
@@ -108,6 +140,7 @@ def main() -> None:
     ap.add_argument("--json", default="bench/bytes.json")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
+    crossover()
     rows: list[dict] = []
     refs: dict[str, dict] = {}
     for model, quant, kv, sp in GRID:
