@@ -3,7 +3,7 @@
 and against llama.cpp's server (xllamacpp) for reference. Same GGUF, same threads, greedy, EOS
 ignored (every request streams exactly --output-len tokens), one server at a time.
 
-    flock /tmp/tokenhaul-bench.lock .venv/bin/python bench/smooth.py --num-requests 72 --concurrency 24
+    flock /tmp/tokenhaul-bench.lock .venv/bin/python bench/smooth.py --num-requests 48 --concurrency 24
 
 `--targets 60,90,120` runs the budget-on server once per target (to choose the default by
 measurement). Ratios are on / off. The load generator shares the CPU with the server under test.
@@ -82,11 +82,11 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", default="smollm2-135m")
     ap.add_argument("--threads", type=int, default=2)
-    ap.add_argument("--num-requests", type=int, default=72)
+    ap.add_argument("--num-requests", type=int, default=48)
     ap.add_argument("--concurrency", type=int, default=24, help="at most N streams in flight")
     ap.add_argument("--rate", type=float, default=4.0, help="Poisson arrivals per second")
     ap.add_argument("--short-len", type=int, default=48, help="short prompts, words (± 20 %%)")
-    ap.add_argument("--long-len", type=int, default=640, help="long prompts, words (± 20 %%)")
+    ap.add_argument("--long-len", type=int, default=384, help="long prompts, words (± 20 %%)")
     ap.add_argument("--long-fraction", type=float, default=0.25)
     ap.add_argument("--output-len", type=int, default=64)
     ap.add_argument("--seed", type=int, default=0)

@@ -14,7 +14,9 @@ def test_mixed_dataset_is_seeded_and_mixes_long_and_short():
     words = [len(s.prompt.split()) for s in a]
     long = [w for w in words if w > 100]
     assert all(16 <= w <= 25 for w in words if w <= 100) and all(320 <= w <= 481 for w in long)
-    assert 30 <= len(long) <= 70  # 25 % of 200, give or take
+    assert [len(s.prompt.split()) > 100 for s in a] != [len(s.prompt.split()) > 100 for s in
+                                                       mixed_dataset(200, 20, 400, 0.25, 8, seed=4)]  # seeded places
+    assert len(long) == 50  # 25 % of 200
     assert len({s.prompt for s in a}) == 200 and all(s.max_tokens == 8 for s in a)
 
 

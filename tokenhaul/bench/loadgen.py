@@ -81,12 +81,12 @@ def random_dataset(n: int, input_len: int, output_len: int, range_ratio: float =
 
 def mixed_dataset(n: int, short_len: int, long_len: int, long_fraction: float, output_len: int,
                   seed: int = 0) -> list[PromptSpec]:
-    """random_dataset's prompts, each long_len words with probability long_fraction, else short_len
-    (both ± 20 %), and exactly output_len new tokens each; the mix is fixed by the seed."""
-    rng = random.Random(seed)
+    """random_dataset's prompts: round(n · long_fraction) of them, at seeded places, long_len words,
+    the rest short_len (both ± 20 %); exactly output_len new tokens each."""
+    is_long = set(random.Random(seed).sample(range(n), round(n * long_fraction)))
     short = random_dataset(n, short_len, output_len, 0.2, seed)
     long = random_dataset(n, long_len, output_len, 0.2, seed + 1)
-    return [PromptSpec((long if rng.random() < long_fraction else short)[i].prompt, output_len) for i in range(n)]
+    return [PromptSpec((long if i in is_long else short)[i].prompt, output_len) for i in range(n)]
 
 
 def file_dataset(path: str | Path, n: int, output_len: int) -> list[PromptSpec]:

@@ -6,8 +6,10 @@ later from the waiting queue. Token arithmetic only: KV goes through kv/manager.
 With an inter-token budget (`itl_target_s` and a step-time model) the step is stall-free in the manner
 of Sarathi-Serve: every running decode first, then prefill chunks in (priority, arrival) order, each
 as long as keeps the predicted step within the budget. Prompts are never starved however many
-decodes run: the budget is at least (1 + prefill_share) × the decodes' own predicted time, and the
-first prefill chunk of a step gets at least `min_prefill_chunk` tokens."""
+decodes run: when the decodes alone leave too little room, the budget grows to what they take plus
+1/prefill_horizon of the prompt tokens still waiting (the backlog drains in about that many steps,
+in even slices instead of one stall), and the first prefill chunk of a step gets at least
+`min_prefill_chunk` tokens."""
 
 from __future__ import annotations
 
@@ -28,7 +30,7 @@ class SchedulerConfig:
     max_model_len: int = 8192
     itl_target_s: float = 0.0  # > 0 (with a step-time model): prefill chunks keep the predicted step under it
     min_prefill_chunk: int = 16  # tokens the first prefill chunk of a step gets however tight the budget
-    prefill_share: float = 0.5  # decodes alone over the target: prefill may still add this share of their time
+    prefill_horizon: int = 12  # steps over which a prompt backlog the target leaves no room for is spread
 
 
 @dataclass
@@ -168,8 +170,10 @@ class Scheduler:
                 break  # req itself was preempted: every younger one already was
             self._add(out, chunk(req, req.num_tokens_with_drafts - req.num_computed_tokens))
             tokens -= out.chunks[-1].num_tokens
-        out.budget_s = max(cfg.itl_target_s, (1 + cfg.prefill_share) * model.predict(out.shape))
         partial = sorted((r for r in self.running if r.num_computed_tokens < r.num_tokens - 1), key=_key)
+        backlog = sum(r.num_tokens - r.num_computed_tokens for r in partial + self.waiting)
+        spread = min(-(-backlog // cfg.prefill_horizon), tokens)
+        out.budget_s = max(cfg.itl_target_s, model.predict(out.shape.with_chunk(0, spread, 0) if spread else out.shape))
         admit = True
         first = True
         for req in heapq.merge(partial, list(self.waiting), key=_key):
