@@ -91,10 +91,9 @@ class StepModel:
                  block_size: int = 16) -> None:
         self.hw, self.costs, self.fmt, self.placement, self.block_size = hw, costs, weight_format, placement, block_size
         self.tiers = {t.name: t for t in hw.tiers}
-        tp, chips = placement.tensor_parallel, placement.chips
+        tp = placement.tensor_parallel
         self.flops_rate = hw.linear_flops(weight_format) * tp  # per pipeline stage, which run one after another
         self.attn_rate = hw.flops_for("attention") * tp
-        self.chips = chips
 
     def _memory(self, st: StepTime, nbytes: float, share: dict[str, float], eff: float = 1.0) -> tuple[str, float]:
         """Bytes read from their tiers in parallel: (binding tier, seconds); records bus bytes."""
@@ -146,7 +145,7 @@ class StepModel:
         elementwise = sc.activation_bytes + sc.logits_bytes
         st.charge("memory:activations", elementwise / (hw.activation_bandwidth or self._fastest_bw()))
         self._interconnect(st, T)
-        groups = len([n for _, n in chunks if n > 1]) + (1 if any(n == 1 for _, n in chunks) else 0)
+        groups = len({n for _, n in chunks})  # attention calls: the runner groups chunks by query length
         st.charge("overhead", hw.step_overhead + T * hw.token_overhead
                   + c.num_layers * (hw.layer_overhead + groups * hw.group_overhead))
         st.energy_j = self._energy(st)
