@@ -175,21 +175,23 @@ def engine_overheads(steps: int = 12) -> dict[str, float]:
             w[p + "attn_norm.weight"] = w[p + "ffn_norm.weight"] = torch.ones(64)
         model = LlamaModel(cfg, w, 1024)
         core = EngineCore(EngineConfig(model="tiny", dtype="bf16", num_kv_blocks=512, block_size=16), model)
-        for batch, prompt in ((1, 4), (1, 8), (16, 8), (4, 48), (4, 48), (4, 48)):  # the first warms up
+        for batch, prompt, step in ((1, 4, 0), (1, 8, 0), (16, 8, 0), (4, 48, 4), (4, 48, 4), (4, 48, 4)):
             params = SamplingParams(max_tokens=steps + 1, temperature=0, ignore_eos=True)
-            for r in range(batch):
-                core.add_request(f"{len(times)}-{r}", [(r * 7 + j) % 90 + 1 for j in range(prompt)], params)
+            lengths = [prompt + step * r for r in range(batch)]  # unequal lengths: one attention call each
+            for r, n in enumerate(lengths):
+                core.add_request(f"{len(times)}-{r}", [(r * 7 + j) % 90 + 1 for j in range(n)], params)
             t = time.perf_counter()
-            core.step()  # the prefill: `batch` groups, batch * prompt tokens
+            core.step()  # the prefill: one group per distinct prompt length
             pre = time.perf_counter() - t
             dec = []
             while core.has_unfinished():
                 t = time.perf_counter()
                 core.step()
                 dec.append(time.perf_counter() - t)
-            if prompt == 4:
+            if prompt == 4:  # the first run warms up
                 continue
-            rows += [(1, layers, layers * batch, batch * prompt), (1, layers, layers, batch)]
+            groups = len(set(lengths))
+            rows += [(1, layers, layers * groups, sum(lengths)), (1, layers, layers, batch)]
             times += [pre, min(dec)]
     sol, *_ = np.linalg.lstsq(np.array(rows, dtype=float), np.array(times), rcond=None)
     step_s, layer_s, group_s, token_s = (max(0.0, float(x)) for x in sol)
