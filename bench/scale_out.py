@@ -1,7 +1,8 @@
 """Scale out on Ray, measured at the engine-client seam (no HTTP, no tokenizer: the same AddRequests
 go to every setup through the one EngineClient interface the server uses).
 
-  1. Ray's cost per request: sequential 1-token requests, in-process core vs one Ray replica.
+  1. Ray's cost per request: sequential 1-token requests, in-process core vs one Ray replica
+     (2 threads each), the time outside the core's steps compared.
   2. Same 2 cores: 1 replica x 2 threads vs 2 replicas x 1 thread (cache-aware routing).
   3. 2 replicas x 1 thread, cache-aware vs round-robin, on a shared-prefix workload.
 
@@ -105,34 +106,55 @@ def hit_rate(client: EngineClient, before: dict) -> float:
     return hit / query if query else 0.0
 
 
-async def measure(client: EngineClient, name: str, prompts, params, concurrency: int) -> Run:
-    async with Driver(client) as d:
-        await d.run(workload(2, 2, 32, 8, seed=99), SamplingParams(max_tokens=2, temperature=0), 2, "warm")
-        await asyncio.sleep(1.2)  # a fresh stats snapshot from every replica (polls return at least every 1 s)
-        before = {r.name: (r.stats.prefix_hit_tokens, r.stats.prefix_query_tokens) for r in client.replicas()}
-        steps0 = sum(r.stats.num_steps for r in client.replicas())
-        ttft, secs, toks, per = await d.run(prompts, params, concurrency, "run")
-        await asyncio.sleep(1.2)
-        steps = sum(r.stats.num_steps for r in client.replicas()) - steps0
-        return Run(name, ttft, secs, toks, hit_rate(client, before), per, steps)
+async def measure(d: Driver, name: str, prompts, params, concurrency: int) -> Run:
+    client = d.client
+    await d.run(workload(2, 2, 32, 8, seed=99), SamplingParams(max_tokens=2, temperature=0), 2, "warm")
+    await asyncio.sleep(1.2)  # a fresh stats snapshot from every replica (polls return at least every 1 s)
+    before = {r.name: (r.stats.prefix_hit_tokens, r.stats.prefix_query_tokens) for r in client.replicas()}
+    steps0 = sum(r.stats.num_steps for r in client.replicas())
+    ttft, secs, toks, per = await d.run(prompts, params, concurrency, name)
+    await asyncio.sleep(1.2)
+    steps = sum(r.stats.num_steps for r in client.replicas()) - steps0
+    return Run(name, ttft, secs, toks, hit_rate(client, before), per, steps)
 
 
 def step_seconds(client: EngineClient) -> float:
     return sum(r.stats.step_seconds for r in client.replicas())
 
 
-async def latency(client: EngineClient, n: int) -> tuple[float, float]:
+async def latency(d: Driver, n: int) -> tuple[float, float]:
     """Sequential 1-token requests (8-token prompts): mean ms per request, in all and inside the
     core's steps. The difference is what the path around the core costs; steps vary with load."""
     params = SamplingParams(max_tokens=1, temperature=0)
-    async with Driver(client) as d:
-        await d.run(workload(3, 3, 8, 0, seed=7), params, 1, "warm")
-        await asyncio.sleep(1.2)
-        s0, t0 = step_seconds(client), time.perf_counter()
-        await d.run(workload(n, n, 8, 0, seed=3), params, 1, "lat")
-        wall = time.perf_counter() - t0
-        await asyncio.sleep(1.2)  # the replicas' last stats (with the last step's time) come with a poll
-        return wall / n * 1000, (step_seconds(client) - s0) / n * 1000
+    await d.run(workload(3, 3, 8, 0, seed=7), params, 1, "warm-lat")
+    await asyncio.sleep(1.2)
+    s0, t0 = step_seconds(d.client), time.perf_counter()
+    await d.run(workload(n, n, 8, 0, seed=3), params, 1, "lat")
+    wall = time.perf_counter() - t0
+    await asyncio.sleep(1.2)  # the replicas' last stats (with the last step's time) come with a poll
+    return wall / n * 1000, (step_seconds(d.client) - s0) / n * 1000
+
+
+async def in_process_latency(n: int) -> tuple[float, float]:
+    async with Driver(in_process(2)) as d:
+        return await latency(d, n)
+
+
+async def one_replica(args, prompts, params) -> tuple[tuple[float, float], Run]:
+    """1 replica x 2 threads: the per-request latency, then the shared-prefix load."""
+    async with Driver(pool(1, 2)) as d:
+        return (await latency(d, args.latency_requests),
+                await measure(d, "1 replica x 2 threads", prompts, params, args.concurrency))
+
+
+async def two_replicas(args, prompts, other_prompts, params) -> list[Run]:
+    """2 replicas x 1 thread: cache-aware, then round-robin on a workload of the same shape with
+    other prefixes (so the first run's cache cannot help the second)."""
+    async with Driver(pool(2, 1)) as d:
+        ca = await measure(d, "2 replicas x 1 thread, cache-aware", prompts, params, args.concurrency)
+        d.client.router.policy = "round_robin"
+        rr = await measure(d, "2 replicas x 1 thread, round-robin", other_prompts, params, args.concurrency)
+    return [ca, rr]
 
 
 def in_process(threads: int) -> InProcessClient:
@@ -144,10 +166,10 @@ def in_process(threads: int) -> InProcessClient:
     return InProcessClient(LLM(MODEL, threads=threads, **ENGINE).core)
 
 
-def pool(replicas: int, threads: int, policy: str = "cache_aware"):
+def pool(replicas: int, threads: int):
     from tokenhaul.cluster.pool import ReplicaPool
 
-    return ReplicaPool(MODEL, replicas, ENGINE | {"threads": threads}, policy=policy)
+    return ReplicaPool(MODEL, replicas, ENGINE | {"threads": threads})
 
 
 def main() -> None:
@@ -165,22 +187,19 @@ def main() -> None:
     ray.init(address="local", num_cpus=2, include_dashboard=False, logging_level="warning",
              _system_config={"memory_monitor_refresh_ms": 0})  # as ReplicaPool's own local instance
     prompts = workload(args.requests, args.groups, args.prefix_len, args.suffix_len)
+    other = workload(args.requests, args.groups, args.prefix_len, args.suffix_len, seed=1)
     params = SamplingParams(max_tokens=args.max_tokens, temperature=0, ignore_eos=True)
 
-    local = asyncio.run(latency(in_process(1), args.latency_requests))
-    remote = asyncio.run(latency(pool(1, 1), args.latency_requests))
-    print("\n## Ray's cost per request (sequential 1-token requests, 8-token prompts, 1 thread)\n")
+    local = asyncio.run(in_process_latency(args.latency_requests))
+    remote, run1 = asyncio.run(one_replica(args, prompts, params))
+    runs = [run1, *asyncio.run(two_replicas(args, prompts, other, params))]
+    print("\n## Ray's cost per request (sequential 1-token requests, 8-token prompts, 2 threads)\n")
     print("| setup | ms / request | in core steps | outside the steps |\n|---|---|---|---|")
     for name, (wall, step) in (("in-process core (thread)", local), ("1 Ray replica (actor)", remote)):
         print(f"| {name} | {wall:.2f} | {step:.2f} | {wall - step:.2f} |")
     cost = (remote[0] - remote[1]) - (local[0] - local[1])
     print(f"| **Ray's cost (difference outside the steps)** | | | **{cost:.2f}** |")
 
-    runs = [asyncio.run(measure(pool(1, 2), "1 replica x 2 threads", prompts, params, args.concurrency)),
-            asyncio.run(measure(pool(2, 1), "2 replicas x 1 thread, cache-aware", prompts, params,
-                                args.concurrency)),
-            asyncio.run(measure(pool(2, 1, "round_robin"), "2 replicas x 1 thread, round-robin", prompts, params,
-                                args.concurrency))]
     print(f"\n## {args.requests} requests, {args.concurrency} in flight, {args.groups} shared prefixes of "
           f"{args.prefix_len} tokens + {args.suffix_len} distinct, {args.max_tokens} new tokens, greedy\n")
     print("| setup | out tok/s | TTFT p50 ms | TTFT p99 ms | prefix hit rate | engine steps | requests per replica |")

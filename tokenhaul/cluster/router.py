@@ -48,6 +48,7 @@ class Router:
         self.max_blocks = max_blocks  # only the leading blocks are hashed: a prompt's head decides
         self.max_entries = max_entries
         self.load = dict.fromkeys(names, 0)  # requests routed and not yet finished
+        self.routed = dict.fromkeys(names, 0)  # requests routed since start
         self.up = dict.fromkeys(names, True)
         self.counts = RouterCounts()
         self._owners: OrderedDict[int, set[str]] = OrderedDict()  # block-chain hash → replicas sent it (LRU)
@@ -67,6 +68,7 @@ class Router:
             if self.policy == "cache_aware":
                 self._remember(hashes, name)
         self.load[name] += 1
+        self.routed[name] += 1
         return name
 
     def finish(self, name: str) -> None:
@@ -96,10 +98,9 @@ class Router:
         return least
 
     def _least_loaded(self, live: list[str]) -> str:
-        """Least loaded live replica; ties rotate, so distinct prompts spread over idle replicas."""
-        low = min(self.load[n] for n in live)
-        ties = [n for n in live if self.load[n] == low]
-        return ties[next(self._rr) % len(ties)]
+        """Least loaded live replica; a tie goes to the one routed fewest requests so far, so
+        distinct prompts spread over idle replicas."""
+        return min(live, key=lambda n: (self.load[n], self.routed[n], self.names.index(n)))
 
     def _deepest_owners(self, hashes: list[int], live: list[str]) -> list[str]:
         """Live replicas sent the longest run of these leading blocks (empty if not even the first)."""
