@@ -34,12 +34,13 @@ class Run:
     hit_rate: float
     per_replica: dict[str, int]
     steps: int  # engine steps, all replicas: each reads every weight once
+    routing: str  # routing decisions during the run
 
     def row(self) -> str:
         q = statistics.quantiles(self.ttft, n=100)
         spread = " / ".join(f"{n}:{c}" for n, c in sorted(self.per_replica.items()))
         return (f"| {self.name} | {self.out_tokens / self.e2e_s:.1f} | {q[49] * 1000:.0f} | {q[98] * 1000:.0f} | "
-                f"{self.hit_rate:.0%} | {self.steps} | {spread} |")
+                f"{self.hit_rate:.0%} | {self.steps} | {spread} | {self.routing} |")
 
 
 def workload(n: int, groups: int, prefix_len: int, suffix_len: int, seed: int = 0) -> list[list[int]]:
@@ -111,11 +112,13 @@ async def measure(d: Driver, name: str, prompts, params, concurrency: int) -> Ru
     await d.run(workload(2, 2, 32, 8, seed=99), SamplingParams(max_tokens=2, temperature=0), 2, "warm")
     await asyncio.sleep(1.2)  # a fresh stats snapshot from every replica (polls return at least every 1 s)
     before = {r.name: (r.stats.prefix_hit_tokens, r.stats.prefix_query_tokens) for r in client.replicas()}
-    steps0 = sum(r.stats.num_steps for r in client.replicas())
+    steps0, routed0 = sum(r.stats.num_steps for r in client.replicas()), client.routing()
     ttft, secs, toks, per = await d.run(prompts, params, concurrency, name)
     await asyncio.sleep(1.2)
     steps = sum(r.stats.num_steps for r in client.replicas()) - steps0
-    return Run(name, ttft, secs, toks, hit_rate(client, before), per, steps)
+    routed = {k: v - routed0[k] for k, v in client.routing().items() if v - routed0[k]}
+    return Run(name, ttft, secs, toks, hit_rate(client, before), per, steps,
+               " ".join(f"{k} {v}" for k, v in routed.items()) or "-")
 
 
 def step_seconds(client: EngineClient) -> float:
@@ -190,6 +193,7 @@ def main() -> None:
     other = workload(args.requests, args.groups, args.prefix_len, args.suffix_len, seed=1)
     params = SamplingParams(max_tokens=args.max_tokens, temperature=0, ignore_eos=True)
 
+    print(f"(started {time.strftime('%H:%M:%S')})", flush=True)
     local = asyncio.run(in_process_latency(args.latency_requests))
     remote, run1 = asyncio.run(one_replica(args, prompts, params))
     runs = [run1, *asyncio.run(two_replicas(args, prompts, other, params))]
@@ -202,8 +206,9 @@ def main() -> None:
 
     print(f"\n## {args.requests} requests, {args.concurrency} in flight, {args.groups} shared prefixes of "
           f"{args.prefix_len} tokens + {args.suffix_len} distinct, {args.max_tokens} new tokens, greedy\n")
-    print("| setup | out tok/s | TTFT p50 ms | TTFT p99 ms | prefix hit rate | engine steps | requests per replica |")
-    print("|---|---|---|---|---|---|---|")
+    print("| setup | out tok/s | TTFT p50 ms | TTFT p99 ms | prefix hit rate | engine steps | requests per replica "
+          "| routing |")
+    print("|---|---|---|---|---|---|---|---|")
     for r in runs:
         print(r.row())
     ray.shutdown()
