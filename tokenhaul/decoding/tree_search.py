@@ -13,8 +13,12 @@ from __future__ import annotations
 import math
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from tokenhaul.sampling_params import SamplingParams
+
+if TYPE_CHECKING:
+    from tokenhaul.llm import LLM
 
 
 @dataclass
@@ -50,6 +54,7 @@ class Node:
     done: bool = False  # the path itself is complete (stop token or length): nothing to expand
 
     def uct(self, c: float, parent_visits: int) -> float:
+        """Mean reward + c·sqrt(ln N / n); a child never visited comes first."""
         if self.visits == 0:
             return math.inf
         return self.value / self.visits + c * math.sqrt(math.log(max(1, parent_visits)) / self.visits)
@@ -67,7 +72,7 @@ class SearchResult:
 class TreeSearch:
     """MCTS over an LLM's continuations of one prompt (see the module docstring)."""
 
-    def __init__(self, llm, reward: Reward = mean_logprob, *, width: int = 4, top_k: int = 4,
+    def __init__(self, llm: LLM, reward: Reward = mean_logprob, *, width: int = 4, top_k: int = 4,
                  max_tokens: int = 64, c_uct: float = 1.0, stop: list[str] | None = None) -> None:
         self.llm, self.reward, self.width, self.top_k = llm, reward, width, top_k
         self.max_tokens, self.c, self.stop = max_tokens, c_uct, list(stop or [])
@@ -171,7 +176,7 @@ class TreeSearch:
             node = node.parent
 
 
-def tree_search(llm, prompt: str | list[int], reward: Reward = mean_logprob, levels: int = 4,
+def tree_search(llm: LLM, prompt: str | list[int], reward: Reward = mean_logprob, levels: int = 4,
                 **kw) -> SearchResult:
     """MCTS over continuations of `prompt`: `levels` batched levels of `width` rollouts each."""
     return TreeSearch(llm, reward, **kw).search(prompt, levels)
