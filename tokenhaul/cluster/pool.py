@@ -204,7 +204,10 @@ class ReplicaPool(EngineClient):
                 continue
             self._stats[name] = stats
             for out in outs:
-                self._deliver(name, out)
+                try:
+                    self._deliver(name, out)
+                except Exception:  # a front-end bug must not silence this replica's outputs for good
+                    log.exception("replica %s: outputs of step %d not delivered", name, out.step)
 
     def _deliver(self, name: str, out: CoreOutputs) -> None:
         """Pass a replica's outputs on, dropping those of requests no longer sent there."""
