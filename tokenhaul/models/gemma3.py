@@ -52,12 +52,13 @@ class Gemma3Model:
         cfg = self.config
         T = input_ids.shape[0]
         h = self.embed(input_ids) * cfg.embed_scale
+        tables = {False: self.rope_global.tables(meta.positions), True: self.rope_local.tables(meta.positions)}
         for i, layer in enumerate(self.layers):
-            rope = self.rope_local if layer.sliding else self.rope_global
+            cos, sin = tables[layer.sliding]  # gathered once per step for each RoPE base
             x = layer.attn_norm(h)
             q, k, v = layer.qkv(x).split([cfg.q_size, cfg.kv_size, cfg.kv_size], dim=-1)
-            q = rope(layer.q_norm(q.view(T, cfg.num_heads, cfg.head_dim)), meta.positions)
-            k = rope(layer.k_norm(k.view(T, cfg.num_kv_heads, cfg.head_dim)), meta.positions)
+            q = RotaryEmbedding.apply(layer.q_norm(q.view(T, cfg.num_heads, cfg.head_dim)), cos, sin)
+            k = RotaryEmbedding.apply(layer.k_norm(k.view(T, cfg.num_kv_heads, cfg.head_dim)), cos, sin)
             v = v.view(T, cfg.num_kv_heads, cfg.head_dim)
             a = paged_attention(q, k, v, kv.k[i], kv.v[i], meta, self.scale, sliding=layer.sliding)
             h = h + layer.post_attn_norm(layer.o(a))

@@ -44,14 +44,15 @@ class LlamaModel:
     def forward(self, input_ids: torch.Tensor, meta: AttentionMetadata, kv: KVCache) -> torch.Tensor:
         """input_ids: [T] → final hidden states [T, hidden] (normed)."""
         cfg = self.config
-        T = input_ids.shape[0]
+        T, H, Hkv, D = input_ids.shape[0], cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+        qk_size = cfg.q_size + cfg.kv_size
+        cos, sin = self.rope.tables(meta.positions)  # once per step, shared by every layer
         h = self.embed(input_ids)
         for i, layer in enumerate(self.layers):
-            x = layer.attn_norm(h)
-            q, k, v = layer.qkv(x).split([cfg.q_size, cfg.kv_size, cfg.kv_size], dim=-1)
-            q = self.rope(q.view(T, cfg.num_heads, cfg.head_dim), meta.positions)
-            k = self.rope(k.view(T, cfg.num_kv_heads, cfg.head_dim), meta.positions)
-            v = v.view(T, cfg.num_kv_heads, cfg.head_dim)
+            qkv = layer.qkv(layer.attn_norm(h))  # [T, (H + 2 Hkv) D]
+            qk = self.rope.apply(qkv[:, :qk_size].view(T, H + Hkv, D), cos, sin)  # q and k in one call
+            q, k = qk.split([H, Hkv], dim=1)
+            v = qkv[:, qk_size:].view(T, Hkv, D)
             a = paged_attention(q, k, v, kv.k[i], kv.v[i], meta, self.scale, sliding=False)
             h = h + layer.o(a)
             gate, up = layer.gate_up(layer.ffn_norm(h)).chunk(2, dim=-1)
