@@ -13,13 +13,17 @@ bag per output group (the gathered rows of a group stay contiguous: 36 bytes).
 
 from __future__ import annotations
 
+import sys
+
 import torch
 import torch.nn.functional as F
 
 from tokenhaul.layers.linear import Linear, register
 
-# Rows at or under which the gathered kernel runs (bench/bytes.py measures the crossover; above it the
-# kept sets of the rows overlap so little that B gathered GEMVs read more than one dense pass).
+# Rows at or under which the gathered kernel runs: bench/bytes.py's crossover (all 120 SmolLM2 projections,
+# sparsity 0.4, 2026-11-30): dense / gathered time at M=1, 2, 4 rows: bf16 1.62, 1.00, 0.97; int8 1.51,
+# 1.17, 0.98. Past 2 rows B gathered GEMVs read more than one dense pass. 4-bit bags are 0.34x dense int4
+# even at M=1 (fbgemm's 4-bit embedding_bag vs the int4pack kernel): bytes fall, time does not.
 MAX_ROWS = 2
 GROUP4 = 64  # outputs per 4-bit row group
 
@@ -116,6 +120,9 @@ SPARSE_LINEARS = ("qkv", "o", "gate_up", "down")  # every projection of a layer;
 
 def sparsify(model, thresholds: dict[str, float], sparsity: float, max_rows: int = MAX_ROWS) -> None:
     """Replace each layer projection named in `thresholds` ("blk.{i}.{name}") by its SparseLinear."""
+    if any(getattr(v, "format", "") == "int4" for layer in model.layers for v in vars(layer).values()):
+        print("tokenhaul: --sparsity with int4 weights reads fewer bytes but decodes slower here (4-bit gathered "
+              "kernel, bench/bytes.py); --quantization int8 or none gain speed", file=sys.stderr)
     for i, layer in enumerate(model.layers):
         for name in SPARSE_LINEARS:
             key = f"blk.{i}.{name}"
