@@ -102,14 +102,14 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--k", type=int, default=6)
     ap.add_argument("--max-tokens", type=int, default=64)
-    ap.add_argument("--draft-max-tokens", type=int, default=40)
+    ap.add_argument("--draft-max-tokens", type=int, default=32)
     ap.add_argument("--skip-draft", action="store_true")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     common = dict(dtype="bf16", threads=args.threads, enable_prefix_caching=False, speculative_max_batch=64)
     llm = LLM("smollm2-135m", quantization="none", **common)  # dense bf16: k+1 rows cost about one
     strategies(llm, ["prompt_lookup", "jacobi"], args.k, args.max_tokens, list(TASKS))
-    batch_sweep(llm, args.k, 32, [1, 4, 16])
+    batch_sweep(llm, args.k, 32, [1, 8])
     del llm
     llm = LLM("smollm2-135m", **common)  # default: packed int4 layers, whose cost grows with rows
     strategies(llm, ["prompt_lookup"], args.k, args.max_tokens, ["summarise passage"])
