@@ -35,6 +35,9 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-num-seqs", type=int, default=64)
     p.add_argument("--no-prefix-cache", action="store_false", dest="enable_prefix_caching")
     p.add_argument("--draft-model", default=None, help="draft model for --speculative draft (same vocabulary)")
+    p.add_argument("--deterministic", action="store_true",
+                   help="batch-invariant attention: temperature 0 gives the same tokens whatever else is batched "
+                        "or cached (slower prefill, see bench/RESULTS.md)")
     p.add_argument("--itl-target-ms", type=float, default=0.0,
                    help="inter-token budget: prefill chunks are sized so a step's predicted time stays under it "
                         "(step times measured on this machine once, then cached); 0 = off (default, except serve: "
@@ -44,7 +47,7 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
 def engine_kwargs(args: argparse.Namespace) -> dict:
     keys = ("device", "dtype", "kv_dtype", "sparsity", "threads", "quantization", "kv_memory_gib", "num_kv_blocks",
             "block_size", "max_model_len", "max_num_batched_tokens", "max_num_seqs", "enable_prefix_caching",
-            "draft_model", "itl_target_ms")
+            "draft_model", "itl_target_ms", "deterministic")
     return {k: getattr(args, k) for k in keys}
 
 

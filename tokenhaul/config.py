@@ -35,6 +35,8 @@ class EngineConfig:
     sparsity: float = 0.0  # share of projection inputs zeroed (TEAL, layers/linear_sparse.py); 0 = off
     itl_target_ms: float = 0.0  # > 0: prefill chunks sized so each step's predicted time stays under it; 0 = off
     quantization: str = "auto"  # auto | none | int8 | int4[:32|64|128]; see layers/quantization.py
+    deterministic: bool = False  # batch-invariant attention: same tokens whatever is batched or cached (costs
+    # prefill time, bench/determinism.py)
 
     def __post_init__(self) -> None:
         if self.dtype not in DTYPES:
@@ -49,6 +51,9 @@ class EngineConfig:
         QuantSpec.parse(self.quantization)  # raises TokenhaulError on a bad value
         if self.block_size <= 0 or self.max_num_batched_tokens <= 0 or self.max_num_seqs <= 0:
             raise TokenhaulError("block_size, max_num_batched_tokens and max_num_seqs must be positive")
+        if self.deterministic and self.sparsity:
+            raise TokenhaulError("--deterministic cannot be combined with --sparsity (its kernel changes with the "
+                                 "number of rows)")
         if self.speculative_max_batch < 0:
             raise TokenhaulError("speculative_max_batch must be >= 0")
         if not 0 <= self.itl_target_ms < float("inf"):

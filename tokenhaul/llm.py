@@ -31,7 +31,7 @@ class LLM:
             torch.set_num_threads(self.config.threads)
         self.model = load_model(self.files.gguf_path, self.config.torch_dtype, self.config.device,
                                 self.config.max_model_len, self.config.quantization,
-                                self.files.cache_dir)  # first: rejects unsupported architectures
+                                self.files.cache_dir, self.config.deterministic)  # first: rejects unsupported archs
         self.tokenizer = Tokenizer.from_gguf(self.files.gguf_path, self.files.cache_dir, self.files.name)
         self.draft_model = self._load_draft(self.config.draft_model) if self.config.draft_model else None
         self.core = EngineCore(self.config, self.model, draft_model=self.draft_model)
@@ -48,7 +48,7 @@ class LLM:
         """Load a draft model and refuse it unless its tokenizer is the target's, token for token."""
         files = resolve(alias)
         draft = load_model(files.gguf_path, self.config.torch_dtype, self.config.device, self.config.max_model_len,
-                           self.config.quantization, files.cache_dir)
+                           self.config.quantization, files.cache_dir, self.config.deterministic)
         tok = Tokenizer.from_gguf(files.gguf_path, files.cache_dir, files.name)
         if tok.backend.get_vocab(with_added_tokens=True) != self.tokenizer.backend.get_vocab(with_added_tokens=True):
             raise ModelError(f"draft model {alias!r} has another vocabulary than {self.config.model!r}: "

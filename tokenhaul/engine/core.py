@@ -100,7 +100,7 @@ class EngineCore:
             check_pair(model, draft_model)
             mirrors = (make_cache(config, draft_model, num_blocks),)
             proposers["draft"] = DraftModel(draft_model, mirrors[0], config.device)
-        self.runner = ModelRunner(model, self.kv, config.device, mirrors)
+        self.runner = ModelRunner(model, self.kv, config.device, mirrors, config.deterministic)
         self.decoder = Decoder(proposers, max_len, config.speculative_max_batch)
         self.beams = BeamSearch(self.scheduler, max_len)
         self.num_steps = 0

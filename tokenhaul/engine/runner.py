@@ -25,8 +25,9 @@ class ModelInput:
 
 class ModelRunner:
     def __init__(self, model: Model, kv: KVCache, device: str | torch.device,
-                 mirrors: tuple[KVCache, ...] = ()) -> None:
+                 mirrors: tuple[KVCache, ...] = (), per_query: bool = False) -> None:
         self.model = model
+        self.per_query = per_query  # batch-invariant attention (--deterministic)
         self.kv = kv
         self.mirrors = mirrors  # caches addressed by the same block ids (a draft model's): copied alike
         self.device = torch.device(device)
@@ -74,7 +75,7 @@ class ModelRunner:
         view_slots = sum(g.block_table.shape[1] * bs for g in groups if g.block_start is not None)
         dev = self.device
         meta = AttentionMetadata(torch.tensor(pos, dtype=torch.long).to(dev), torch.cat(slot_parts).to(dev),
-                                 [self._to(g) for g in groups], len(ids))
+                                 [self._to(g) for g in groups], len(ids), self.per_query)
         return ModelInput(torch.tensor(ids, dtype=torch.long, device=dev), meta,
                           torch.tensor(sample_rows, dtype=torch.long, device=dev), sample_chunks, view_slots, shapes)
 

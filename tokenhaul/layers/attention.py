@@ -32,6 +32,7 @@ class AttentionMetadata:
     slot_mapping: torch.Tensor  # [T] flat cache slot where each token's K/V is written
     groups: list[AttnGroup]
     num_tokens: int
+    per_query: bool = False  # --deterministic: every query attends alone (see _per_query_sdpa)
 
 
 def _write(cache: torch.Tensor | Int8Blocks, slots: torch.Tensor, x: torch.Tensor) -> None:
@@ -71,9 +72,39 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
         kg = kg.reshape(g.batch, -1, Hkv, D).transpose(1, 2).to(q.dtype)  # [B, Hkv, L, D]
         vg = vg.reshape(g.batch, -1, Hkv, D).transpose(1, 2).to(q.dtype)
         mask = g.mask_local if sliding else g.mask
-        o = F.scaled_dot_product_attention(qg, kg, vg, attn_mask=mask, scale=scale, enable_gqa=True)
+        if meta.per_query:
+            o = _per_query_sdpa(qg, kg, vg, mask, scale)
+        else:
+            o = F.scaled_dot_product_attention(qg, kg, vg, attn_mask=mask, scale=scale, enable_gqa=True)
         o = o.transpose(1, 2).reshape(g.batch * g.q_len, H * D)
         if out is None:
             return o
         out[g.token_index] = o
     return out
+
+
+def _per_query_sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None,
+                    scale: float) -> torch.Tensor:
+    """Batch-invariant attention: each query is a one-query row of a single-threaded SDPA call, so a
+    token's numbers do not depend on the chunk it was computed in or on what else is batched (the
+    multi-threaded kernel splits a lone query's keys across threads; a chunk's kernel tiles queries).
+    q: [B, H, Q, D]; k, v: [B, Hkv, L, D]; mask: [B, 1, Q, L] or None. Returns [B, H, Q, D]."""
+    B, H, Q, D = q.shape
+    Hkv, L = k.shape[1], k.shape[2]
+    if mask is None:
+        mask = torch.ones(B, 1, Q, L, dtype=torch.bool, device=q.device)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        if Q == 1:  # decodes: one row per sequence already
+            return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale, enable_gqa=True)
+        out = []
+        for b in range(B):  # a chunk's queries become rows sharing its keys (an expanded view, no copy)
+            qb = q[b].transpose(0, 1).unsqueeze(2)  # [Q, H, 1, D]
+            mb = mask[b].transpose(0, 1).unsqueeze(2)  # [Q, 1, 1, L]
+            kb, vb = k[b:b + 1].expand(Q, Hkv, L, D), v[b:b + 1].expand(Q, Hkv, L, D)
+            o = F.scaled_dot_product_attention(qb, kb, vb, attn_mask=mb, scale=scale, enable_gqa=True)
+            out.append(o.squeeze(2).transpose(0, 1))  # [H, Q, D]
+        return torch.stack(out)
+    finally:
+        torch.set_num_threads(threads)

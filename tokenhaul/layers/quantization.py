@@ -57,8 +57,10 @@ class LinearFactory:
     `cache` maps a linear's name to its converted state (see models/weight_cache.py)."""
 
     def __init__(self, spec: QuantSpec = QuantSpec("none"), dtype: torch.dtype = torch.float32,
-                 device: str | torch.device = "cpu", cache: dict[str, tuple[str, dict]] | None = None) -> None:
+                 device: str | torch.device = "cpu", cache: dict[str, tuple[str, dict]] | None = None,
+                 batch_invariant: bool = False) -> None:
         self.spec = spec
+        self.batch_invariant = batch_invariant  # one kernel for every row count (each is row-invariant alone)
         self.dtype = dtype
         self.device = torch.device(device)
         self.exact = spec.mode == "none" or (spec.mode == "auto" and dtype == torch.float32)
@@ -94,10 +96,13 @@ class LinearFactory:
         if not FORMATS[fmt].supports(parts[0].shape[1], group):
             fmt, group = "dense", None
         if fmt != "dense" and name in self.cache and self.cache[name][0] == fmt:
-            return FORMATS[fmt].from_state(self.cache[name][1], self.device)
-        lin = FORMATS[fmt].build(parts, bias, self.dtype, self.device, group)
-        if fmt != "dense":
-            self.built[name] = lin
+            lin = FORMATS[fmt].from_state(self.cache[name][1], self.device)
+        else:
+            lin = FORMATS[fmt].build(parts, bias, self.dtype, self.device, group)
+            if fmt != "dense":
+                self.built[name] = lin
+        if self.batch_invariant and getattr(lin, "max_rows", None) is not None:
+            lin.max_rows = None  # never switch to the dequantized GEMM past a row count: numbers would shift
         return lin
 
     def embedding(self, table: Part) -> Embedding:

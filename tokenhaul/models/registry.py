@@ -29,13 +29,14 @@ ARCHITECTURES: dict[str, type] = {"llama": LlamaModel, "qwen2": LlamaModel, "gem
 
 
 def load_model(gguf_path, dtype: torch.dtype, device: str, max_model_len: int | None = None,
-               quantization: str = "auto", cache_dir: Path | None = None) -> Model:
-    """Build the model; converted (requantized / repacked) linears are cached under `cache_dir`."""
+               quantization: str = "auto", cache_dir: Path | None = None, batch_invariant: bool = False) -> Model:
+    """Build the model; converted (requantized / repacked) linears are cached under `cache_dir`.
+    `batch_invariant`: each linear keeps one kernel whatever the row count (--deterministic)."""
     config, tensors = load_gguf(gguf_path)
     max_len = min(max_model_len or config.max_position, config.max_position)
     spec = QuantSpec.parse(quantization)
     cache = WeightCache(cache_dir, Path(gguf_path), spec, device) if cache_dir else None
-    factory = LinearFactory(spec, dtype, device, cache.load() if cache else None)
+    factory = LinearFactory(spec, dtype, device, cache.load() if cache else None, batch_invariant)
     model = ARCHITECTURES[config.arch](config, tensors, max_len, factory)
     if cache and factory.built:
         cache.save(factory.built)
