@@ -104,10 +104,13 @@ def test_calibration_reaches_target_and_sparsify_counts_bytes():
     dense = ModelCosts.from_model(model, 4)
     sparsify(model, th, 0.4)
     mc = ModelCosts.from_model(model, 4)
-    assert mc.sparsity == 0.4 and mc.sparse_row_bytes == mc.layer_weight_bytes == dense.layer_weight_bytes
+    assert mc.sparsity == 0.4 and mc.sparse_rows == ((2, dense.layer_weight_bytes),)  # fp32 rows: gathered ≤ 2
+    assert mc.sparse_row_bytes == mc.layer_weight_bytes == dense.layer_weight_bytes
     one = step_costs(mc, [(10, 1)], 1).weight_bytes
     assert one == step_costs(dense, [(10, 1)], 1).weight_bytes - round(0.4 * mc.sparse_row_bytes)
     assert step_costs(mc, [(0, 9)], 1).weight_bytes == step_costs(dense, [(0, 9)], 1).weight_bytes  # dense path
+    int8 = SparseLinear.wrap(Int8Linear.build([torch.randn(64, 64)], None, torch.bfloat16, CPU), 0.1)
+    assert int8.max_rows == 16  # int8 rows have no cheap dense pass: gathered for decode batches
 
 
 @pytest.mark.parametrize("bad", [1.5, -0.1, 0.95])

@@ -25,6 +25,9 @@ from tokenhaul.layers.linear import Linear, register
 # 1.17, 0.98. Past 2 rows B gathered GEMVs read more than one dense pass. 4-bit bags are 0.34x dense int4
 # even at M=1 (fbgemm's 4-bit embedding_bag vs the int4pack kernel): bytes fall, time does not.
 MAX_ROWS = 2
+# int8 rows have no cheap dense pass (it dequantizes the whole weight per call: batch 8 ran 2-2.6x slower
+# than int8pack in bench/bytes.py) while 8 gathered rows cost 0.89x a dense pass: gather up to 16 rows.
+MAX_ROWS_INT8 = 16
 GROUP4 = 64  # outputs per 4-bit row group
 
 
@@ -51,7 +54,8 @@ class SparseLinear(Linear):
         self.touched_bytes = 0  # bytes of weight rows the kernels read since the last reset (tests, bench)
 
     @classmethod
-    def wrap(cls, inner: Linear, threshold: float, max_rows: int = MAX_ROWS, sparsity: float = 0.0) -> SparseLinear:
+    def wrap(cls, inner: Linear, threshold: float, max_rows: int | None = None,
+             sparsity: float = 0.0) -> SparseLinear:
         """Same bits as `inner`: dense stays at its dtype, packed formats (int8, int4) become rowwise int8
         (int4 has no gathered kernel here; rowwise int8 is the nearest that does)."""
         if inner.format == "dense":  # fp32 dense is already stored [in, out]
@@ -62,6 +66,8 @@ class SparseLinear(Linear):
             rows, storage = torch.ops.quantized.embedding_bag_4bit_prepack(wt.contiguous()), "int4"
         else:
             rows, storage = _rowwise_int8(inner.dequantize(torch.float32).t()), "int8"
+        if max_rows is None:
+            max_rows = MAX_ROWS_INT8 if storage == "int8" else MAX_ROWS
         return cls(rows, storage, threshold, inner.out_features, inner.bias, max_rows, sparsity)
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
@@ -118,7 +124,7 @@ class SparseLinear(Linear):
 SPARSE_LINEARS = ("qkv", "o", "gate_up", "down")  # every projection of a layer; the lm_head stays dense
 
 
-def sparsify(model, thresholds: dict[str, float], sparsity: float, max_rows: int = MAX_ROWS) -> None:
+def sparsify(model, thresholds: dict[str, float], sparsity: float, max_rows: int | None = None) -> None:
     """Replace each layer projection named in `thresholds` ("blk.{i}.{name}") by its SparseLinear."""
     if any(getattr(v, "format", "") == "int4" for layer in model.layers for v in vars(layer).values()):
         print("tokenhaul: --sparsity with int4 weights reads fewer bytes but decodes slower here (4-bit gathered "

@@ -34,11 +34,14 @@ class ModelCosts:
     compute_itemsize: int = 4  # attention runs in fp32: the gathered K/V is converted to it
     device: str = "cpu"
     kv_quantized: bool = False  # int8 K/V: dequantized on read by a convert then an in-place scale (kv/int8.py)
-    # activation sparsity (layers/linear_sparse.py): bytes of the input-channel rows of sparse projections
-    # (inside layer_weight_bytes), the share of inputs zeroed, and the most rows the gathered kernel runs
-    sparse_row_bytes: int = 0
+    # activation sparsity (layers/linear_sparse.py): the share of inputs zeroed, and per "most rows the gathered
+    # kernel runs" the bytes of the sparse projections' input-channel rows (inside layer_weight_bytes)
     sparsity: float = 0.0
-    sparse_max_rows: int = 0
+    sparse_rows: tuple[tuple[int, int], ...] = ()  # (max_rows, row bytes)
+
+    @property
+    def sparse_row_bytes(self) -> int:
+        return sum(b for _, b in self.sparse_rows)
     # (storage format, linears in it), lm_head included; a description, not a cost (equality ignores it)
     weight_formats: tuple[tuple[str, int], ...] = field(default=(), compare=False)
 
@@ -53,12 +56,13 @@ class ModelCosts:
         layer_bytes = layer_params = 0
         norm_bytes = model.norm.weight.nbytes
         formats = {getattr(model.lm_head, "format", "dense"): 1}
-        sparse = {"sparse_row_bytes": 0}
+        sparse: dict[int, int] = {}  # max_rows → row bytes
+        sparsity = 0.0
         for layer in model.layers:
             for name, v in vars(layer).items():
                 if hasattr(v, "threshold"):  # a SparseLinear: reads only its kept inputs' rows
-                    sparse = {"sparse_row_bytes": sparse["sparse_row_bytes"] + v.rows.nbytes,
-                              "sparsity": v.sparsity, "sparse_max_rows": v.max_rows}
+                    sparse[v.max_rows] = sparse.get(v.max_rows, 0) + v.rows.nbytes
+                    sparsity = v.sparsity
                 if hasattr(v, "weight_bytes"):
                     fmt = getattr(v, "format", "dense")
                     formats[fmt] = formats.get(fmt, 0) + 1
@@ -71,7 +75,7 @@ class ModelCosts:
                    norm_bytes, round(2 * c.num_layers * c.num_kv_heads * c.head_dim * kv_itemsize),
                    layer_params, model.lm_head.in_features * model.lm_head.out_features,
                    kv_itemsize=kv_itemsize, device=embed.device.type, weight_formats=tuple(formats.items()),
-                   kv_quantized=kv_itemsize < 2, **sparse)
+                   kv_quantized=kv_itemsize < 2, sparsity=sparsity, sparse_rows=tuple(sorted(sparse.items())))
 
     @classmethod
     def from_config(cls, c: ModelConfig, weight_bits: float = 16.0, kv_itemsize: float = 2.0,
@@ -226,8 +230,9 @@ def step_costs(mc: ModelCosts, chunks: list[tuple[int, int]], num_sampled: int,
         gather += 2 * int(gathered * kv_tok * ratio)
     lm_head = mc.lm_head_bytes if num_sampled else 0
     layer_bytes = mc.layer_weight_bytes
-    if mc.sparse_row_bytes and T <= mc.sparse_max_rows:  # gathered GEMVs: each row reads its kept inputs' rows
-        layer_bytes += round(mc.sparse_row_bytes * (T * (1 - mc.sparsity) - 1))
+    for max_rows, row_bytes in mc.sparse_rows:  # gathered GEMVs: each row reads only its kept inputs' rows
+        if T <= max_rows:
+            layer_bytes += round(row_bytes * (T * (1 - mc.sparsity) - 1))
     on_device = mc.device != "cpu"
     return StepCosts(
         weight_bytes=layer_bytes + mc.norm_bytes + lm_head + T * mc.embed_row_bytes,
