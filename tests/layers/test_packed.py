@@ -65,7 +65,8 @@ def test_pack_layout_round_trip():
        bias=st.booleans(), seed=st.integers(0, 2**16))
 def test_int4_kernel_matches_float_reference(n, k_groups, m, group, bias, seed):
     """Requantized weights: |w - dequant| <= scale / 2 per group; the kernel equals bf16 x @ dequant^T
-    within 1 % of the output's scale (bf16 activations and output)."""
+    within 1 % of sum |x_i w_i| (bf16 activations, weights and output: rounding scales with the terms summed,
+    not with a result that cancellation may have made small)."""
     g = torch.Generator().manual_seed(seed)
     k = group * k_groups
     w = torch.randn(n, k, generator=g)
@@ -80,9 +81,10 @@ def test_int4_kernel_matches_float_reference(n, k_groups, m, group, bias, seed):
     ref = x.bfloat16().float() @ deq.t() + (0 if b is None else b)
     y = lin(x)
     assert y.shape == (m, n) and y.dtype == torch.float32
-    torch.testing.assert_close(y, ref, atol=0.01 * ref.abs().max().item() + 1e-3, rtol=0.01)
+    tol = 0.01 * (x.bfloat16().float().abs() @ deq.abs().t()) + 1e-3
+    assert ((y - ref).abs() <= tol).all()
     lin.max_rows = 0  # the dense path for many rows computes the same product
-    torch.testing.assert_close(lin(x), ref, atol=0.01 * ref.abs().max().item() + 1e-3, rtol=0.01)
+    assert ((lin(x) - ref).abs() <= tol).all()
 
 
 @settings(max_examples=25, deadline=None)
