@@ -3,7 +3,7 @@ PY := .venv/bin/python
 PIP := $(PY) -m pip
 TH := .venv/bin/tokenhaul
 PROMPT ?= Write a haiku about moving parcels of data.
-TEST_MODELS := smollm2-135m gemma3-270m qwen2.5-coder-0.5b
+TEST_MODELS := smollm2-135m gemma3-270m qwen2.5-coder-0.5b qwen2.5-coder-1.5b
 
 .venv/.installed: pyproject.toml
 	python3.11 -m venv .venv
