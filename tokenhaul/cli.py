@@ -9,7 +9,6 @@ import os
 import sys
 import time
 
-from tokenhaul.config import DEFAULT_ITL_TARGET_MS
 from tokenhaul.errors import TokenhaulError
 from tokenhaul.models import catalog
 from tokenhaul.sampling_params import SamplingParams
@@ -40,8 +39,8 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                         "or cached (slower prefill, see bench/RESULTS.md)")
     p.add_argument("--itl-target-ms", type=float, default=0.0,
                    help="inter-token budget: prefill chunks are sized so a step's predicted time stays under it "
-                        "(step times measured on this machine once, then cached); 0 = off (default, except serve: "
-                        f"{DEFAULT_ITL_TARGET_MS:g}): chunks fill --max-num-batched-tokens")
+                        "(step times measured on this machine once, then cached); 0 = off (default: on this shared "
+                        "machine it cost throughput and TTFT, bench/RESULTS.md 'Smooth streams')")
 
 
 def engine_kwargs(args: argparse.Namespace) -> dict:
@@ -271,7 +270,6 @@ def build_parser() -> argparse.ArgumentParser:
     m.set_defaults(func=cmd_models)
     s = sub.add_parser("serve", help="OpenAI-compatible HTTP server (completions, chat, /metrics)")
     add_engine_args(s)
-    s.set_defaults(itl_target_ms=DEFAULT_ITL_TARGET_MS)  # streams are what serve is for
     s.add_argument("--host", default="127.0.0.1")
     s.add_argument("--port", type=int, default=8000)
     s.add_argument("--served-model-name", default=None, help="name clients send as `model` (default: --model)")

@@ -9,9 +9,6 @@ import torch
 from tokenhaul.errors import TokenhaulError
 from tokenhaul.layers.quantization import QuantSpec
 
-# The inter-token budget `tokenhaul serve` uses unless told (EngineConfig's own default is off: offline
-# batches want throughput); chosen by measurement with bench/smooth.py (bench/RESULTS.md, "Smooth streams").
-DEFAULT_ITL_TARGET_MS = 100.0
 DTYPES = {"fp32": torch.float32, "float32": torch.float32, "bf16": torch.bfloat16, "bfloat16": torch.bfloat16}
 KV_DTYPES = {"auto": None, "fp32": torch.float32, "bf16": torch.bfloat16, "int8": torch.int8}  # auto: as --dtype
 
