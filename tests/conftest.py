@@ -26,6 +26,18 @@ def tiny_core():
 
 
 @pytest.fixture(scope="session")
+def tokenizer():
+    """The default real model's tokenizer (server and cluster tests); skips if it is not installed."""
+    from tokenhaul.models.catalog import is_installed, resolve
+    from tokenhaul.text.tokenizer import Tokenizer
+
+    if not is_installed("smollm2-135m"):
+        pytest.skip("model smollm2-135m not installed")
+    f = resolve("smollm2-135m")
+    return Tokenizer.from_gguf(f.gguf_path, f.cache_dir, "smollm2-135m")
+
+
+@pytest.fixture(scope="session")
 def smollm():
     from tokenhaul.llm import LLM
 

@@ -10,18 +10,8 @@ from serverkit import MODEL, ScriptModel, ServerThread, free_port, script_engine
 
 from tokenhaul.config import EngineConfig
 from tokenhaul.engine.core import EngineCore
-from tokenhaul.models.catalog import is_installed, resolve
 from tokenhaul.server.app import build_app
 from tokenhaul.server.async_engine import AsyncEngine
-from tokenhaul.text.tokenizer import Tokenizer
-
-
-@pytest.fixture(scope="session")
-def tokenizer() -> Tokenizer:
-    if not is_installed(MODEL):
-        pytest.skip(f"model {MODEL} not installed")
-    f = resolve(MODEL)
-    return Tokenizer.from_gguf(f.gguf_path, f.cache_dir, MODEL)
 
 
 @pytest.fixture(scope="session")

@@ -12,7 +12,6 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
-import platform
 import time
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -22,6 +21,7 @@ import torch
 from tokenhaul.engine.request import Request
 from tokenhaul.engine.scheduler import SchedulerOutput, chunk
 from tokenhaul.engine.step_time import StepShape, StepTimeModel, default_knots
+from tokenhaul.host import cpu_model
 from tokenhaul.models.catalog import cache_root
 from tokenhaul.sampling_params import SamplingParams
 
@@ -114,7 +114,7 @@ def calibration_key(core: EngineCore) -> str:
     c = core.model.config
     model = (f"{c.arch} L{c.num_layers} h{c.hidden_size} ffn{c.ffn_size} heads{c.num_heads}/{c.num_kv_heads} "
              f"v{c.vocab_size}")
-    return (f"{_cpu_model()} | torch {torch.__version__} | threads={torch.get_num_threads()} | {model} | "
+    return (f"{cpu_model()} | torch {torch.__version__} | threads={torch.get_num_threads()} | {model} | "
             + json.dumps(settings, sort_keys=True))
 
 
@@ -149,11 +149,3 @@ def _load(path: Path) -> dict:
         return {}
 
 
-def _cpu_model() -> str:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or platform.machine()

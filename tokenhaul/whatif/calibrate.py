@@ -8,27 +8,17 @@ from __future__ import annotations
 
 import json
 import os
-import platform
 import time
 from pathlib import Path
 
 import torch
 
+from tokenhaul.host import cpu_model
 from tokenhaul.models.catalog import cache_root
 from tokenhaul.whatif.roofline import Roofline
 
 CALIBRATION_FILE = "calibration.json"
 _memo: dict[str, Roofline] = {}
-
-
-def cpu_model() -> str:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or platform.machine()
 
 
 def machine_key(device: str = "cpu", threads: int | None = None) -> str:
