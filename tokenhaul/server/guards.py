@@ -69,14 +69,14 @@ class Guard:
         if scope["method"] in ("POST", "PUT", "PATCH"):
             length = headers.get("content-length")
             if length is not None and (not length.isdigit() or int(length) > o.max_body_bytes):
-                return await self._too_large(send)
+                return await self._too_large(receive, send)
             try:
                 body = await asyncio.wait_for(_read_body(receive, o.max_body_bytes), o.body_timeout)
             except TimeoutError:
                 return await reply(send, 408, f"the request body did not arrive within {o.body_timeout:g} s",
                                    code="request_timeout", close=True)
             except _BodyTooLarge:
-                return await self._too_large(send)
+                return await self._too_large(receive, send)
             except _ClientGone:
                 return None
             receive = _replay(body, receive)
@@ -101,7 +101,14 @@ class Guard:
         scheme, _, token = headers.get("authorization", "").partition(" ")
         return scheme.lower() == "bearer" and hmac.compare_digest(token.strip().encode(), self._key or b"")
 
-    async def _too_large(self, send: Send) -> None:
+    async def _too_large(self, receive: Receive, send: Send) -> None:
+        """413, after reading and dropping what the client still sends (a bounded lingering close): closing a
+        socket with unread data resets it, and the client would lose the reply mid-upload."""
+        o = self.options
+        try:
+            await asyncio.wait_for(_discard_body(receive, DISCARD_FACTOR * o.max_body_bytes), min(o.body_timeout, 5.0))
+        except (TimeoutError, _BodyTooLarge, _ClientGone):
+            pass
         await reply(send, 413, f"the request body is larger than {self.options.max_body_bytes} bytes",
                     code="body_too_large", close=True)
 
@@ -132,6 +139,9 @@ async def reply(send: Send, status: int, message: str, type: str = "invalid_requ
     await send({"type": "http.response.body", "body": body})
 
 
+DISCARD_FACTOR = 32  # an oversized body is read and dropped up to 32x the limit before the 413 (then: reset)
+
+
 class _BodyTooLarge(Exception):
     pass
 
@@ -153,6 +163,19 @@ async def _read_body(receive: Receive, limit: int) -> bytes:
         chunks.append(b)
         if not m.get("more_body", False):
             return b"".join(chunks)
+
+
+async def _discard_body(receive: Receive, limit: int) -> None:
+    n = 0
+    while True:
+        m = await receive()
+        if m["type"] == "http.disconnect":
+            raise _ClientGone
+        n += len(m.get("body", b""))
+        if n > limit:
+            raise _BodyTooLarge
+        if not m.get("more_body", False):
+            return
 
 
 def _replay(body: bytes, receive: Receive) -> Receive:
