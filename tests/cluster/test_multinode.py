@@ -9,13 +9,12 @@ import os
 import signal
 import subprocess
 import sys
-import time
 
 import httpx
 import openai
 import pytest
 from raykit import RayNodes, free_port, kill_group
-from serverkit import MODEL
+from serverkit import MODEL, wait_healthy
 
 pytestmark = [pytest.mark.ray, pytest.mark.real_model]
 
@@ -31,16 +30,7 @@ def test_serve_joins_a_two_node_cluster(tmp_path, tokenizer):
                                   stderr=subprocess.STDOUT, start_new_session=True)
         url = f"http://127.0.0.1:{port}"
         try:
-            deadline = time.monotonic() + 300
-            while True:
-                assert server.poll() is None, (tmp_path / "serve.log").read_text()[-3000:]
-                try:
-                    if httpx.get(url + "/health", timeout=2).status_code == 200:
-                        break
-                except httpx.HTTPError:
-                    pass
-                assert time.monotonic() < deadline, "server did not come up"
-                time.sleep(1.0)
+            wait_healthy(server, url, 300, lambda: (tmp_path / "serve.log").read_text()[-3000:])
             health = httpx.get(url + "/health").json()["replicas"]
             nodes_used = {r["where"].split()[1] for r in health.values()}
             assert len(health) == 2 and len(nodes_used) == 2, health  # one replica on each Ray node

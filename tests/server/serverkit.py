@@ -4,9 +4,12 @@ EngineCore, scheduler and KV pool; logits from a script, so a step takes microse
 from __future__ import annotations
 
 import socket
+import subprocess
 import threading
 import time
+from collections.abc import Callable
 
+import httpx
 import torch
 import uvicorn
 
@@ -74,6 +77,20 @@ class ServerThread:
     def __exit__(self, *exc: object) -> None:
         self.server.should_exit = True
         self.thread.join(30)
+
+
+def wait_healthy(proc: subprocess.Popen, url: str, timeout: float, log: Callable[[], str]) -> None:
+    """Until `url`/health answers 200; fails with `log()` if the server process exits first."""
+    deadline = time.monotonic() + timeout
+    while True:
+        assert proc.poll() is None, log()
+        try:
+            if httpx.get(url + "/health", timeout=2).status_code == 200:
+                return
+        except httpx.HTTPError:
+            pass
+        assert time.monotonic() < deadline, f"server did not come up within {timeout:g} s"
+        time.sleep(0.2)
 
 
 def free_port() -> int:

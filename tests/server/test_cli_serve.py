@@ -13,6 +13,7 @@ import time
 
 import httpx
 import pytest
+from serverkit import wait_healthy
 
 pytestmark = pytest.mark.real_model
 
@@ -31,16 +32,7 @@ def test_serve_and_bench_cli():
                              "--shutdown-timeout", "600"],  # a loaded CI machine may decode slowly: drain, not race
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     try:
-        deadline = time.monotonic() + 120
-        while True:
-            assert proc.poll() is None, proc.stdout.read()
-            try:
-                if httpx.get(url + "/health", timeout=2).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                pass
-            assert time.monotonic() < deadline, "server did not start"
-            time.sleep(0.2)
+        wait_healthy(proc, url, 120, proc.stdout.read)
         bench = subprocess.run([sys.executable, "-m", "tokenhaul.cli", "bench", "serve", "--url", url,
                                 "--num-requests", "4", "--concurrency", "2", "--input-len", "8", "--output-len", "4",
                                 "--slo-ttft-ms", "60000", "--json", "-"], capture_output=True, text=True, timeout=300)
