@@ -34,6 +34,9 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-num-seqs", type=int, default=64)
     p.add_argument("--no-prefix-cache", action="store_false", dest="enable_prefix_caching")
     p.add_argument("--draft-model", default=None, help="draft model for --speculative draft (same vocabulary)")
+    p.add_argument("--draft-quantization", default=None,
+                   help="the draft model's --quantization (default: int4 under bf16, its steps are then cheapest; "
+                        "else as --quantization)")
     p.add_argument("--deterministic", action="store_true",
                    help="batch-invariant attention: temperature 0 gives the same tokens whatever else is batched "
                         "or cached (slower prefill, see bench/RESULTS.md)")
@@ -46,7 +49,7 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
 def engine_kwargs(args: argparse.Namespace) -> dict:
     keys = ("device", "dtype", "kv_dtype", "sparsity", "threads", "quantization", "kv_memory_gib", "num_kv_blocks",
             "block_size", "max_model_len", "max_num_batched_tokens", "max_num_seqs", "enable_prefix_caching",
-            "draft_model", "itl_target_ms", "deterministic")
+            "draft_model", "draft_quantization", "itl_target_ms", "deterministic")
     return {k: getattr(args, k) for k in keys}
 
 

@@ -27,6 +27,8 @@ class EngineConfig:
     enable_prefix_caching: bool = True
     threads: int | None = None
     draft_model: str | None = None  # alias or GGUF path of a draft model sharing the target's vocabulary
+    draft_quantization: str | None = None  # the draft's own --quantization; None: int4 under bf16 (a 0.5B draft
+    # step then costs ~0.16 of a dense 1.5B step instead of ~0.33, bench/RESULTS.md), else as `quantization`
     speculative_max_batch: int = 8  # above this many running requests nothing is drafted (bench/decoding.py)
     kv_dtype: str = "auto"  # auto (the compute dtype) | fp32 | bf16 | int8 (per-token-per-head scales, kv/int8.py)
     sparsity: float = 0.0  # share of projection inputs zeroed (TEAL, layers/linear_sparse.py); 0 = off
@@ -46,6 +48,7 @@ class EngineConfig:
         if self.device.startswith("cuda") and not torch.cuda.is_available():
             raise TokenhaulError("--device cuda requested but CUDA is not available")
         QuantSpec.parse(self.quantization)  # raises TokenhaulError on a bad value
+        QuantSpec.parse(self.draft_quant)
         if self.block_size <= 0 or self.max_num_batched_tokens <= 0 or self.max_num_seqs <= 0:
             raise TokenhaulError("block_size, max_num_batched_tokens and max_num_seqs must be positive")
         if self.deterministic and self.sparsity:
@@ -59,6 +62,13 @@ class EngineConfig:
     @property
     def torch_dtype(self) -> torch.dtype:
         return DTYPES[self.dtype]
+
+    @property
+    def draft_quant(self) -> str:
+        """The draft model's quantization: packed int4 under bf16 unless `draft_quantization` says otherwise."""
+        if self.draft_quantization is not None:
+            return self.draft_quantization
+        return "int4" if self.torch_dtype == torch.bfloat16 else self.quantization
 
     @property
     def kv_torch_dtype(self) -> torch.dtype:

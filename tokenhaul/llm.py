@@ -10,6 +10,8 @@ from tokenhaul.config import EngineConfig
 from tokenhaul.engine.core import EngineCore
 from tokenhaul.errors import ModelError, RequestError
 from tokenhaul.kv.cache import KVCache
+from tokenhaul.layers.linear import Linear
+from tokenhaul.layers.linear_dense import DenseLinear
 from tokenhaul.ledger.costs import ModelCosts
 from tokenhaul.ledger.ledger import Ledger
 from tokenhaul.models.catalog import DEFAULT_MODEL, resolve
@@ -33,8 +35,9 @@ class LLM:
                                 self.config.max_model_len, self.config.quantization,
                                 self.files.cache_dir, self.config.deterministic)  # first: rejects unsupported archs
         self.tokenizer = Tokenizer.from_gguf(self.files.gguf_path, self.files.cache_dir, self.files.name)
-        self.draft_model = self._load_draft(self.config.draft_model) if self.config.draft_model else None
-        self.core = EngineCore(self.config, self.model, draft_model=self.draft_model)
+        self.draft_model, draft_dense = self._load_draft(self.config.draft_model) if self.config.draft_model else (
+            None, None)
+        self.core = EngineCore(self.config, self.model, draft_model=self.draft_model, draft_prefill_model=draft_dense)
         if self.config.sparsity:  # calibrated on the dense model (cached per model), then swapped in place
             from tokenhaul.layers.linear_sparse import sparsify
             from tokenhaul.layers.sparse_calibration import load_or_calibrate
@@ -44,16 +47,24 @@ class LLM:
             self.model, KVCache.bytes_per_value(self.config.kv_torch_dtype, self.model.config.head_dim))
         self._ids = itertools.count()
 
-    def _load_draft(self, alias: str) -> Model:
-        """Load a draft model and refuse it unless its tokenizer is the target's, token for token."""
+    def _load_draft(self, alias: str) -> tuple[Model, Model | None]:
+        """Load a draft model and refuse it unless its tokenizer is the target's, token for token. A packed
+        draft also comes dense, for its prompt catch-up (decoding/speculative.py); else the second is None."""
         files = resolve(alias)
-        draft = load_model(files.gguf_path, self.config.torch_dtype, self.config.device, self.config.max_model_len,
-                           self.config.quantization, files.cache_dir, self.config.deterministic)
         tok = Tokenizer.from_gguf(files.gguf_path, files.cache_dir, files.name)
         if tok.backend.get_vocab(with_added_tokens=True) != self.tokenizer.backend.get_vocab(with_added_tokens=True):
             raise ModelError(f"draft model {alias!r} has another vocabulary than {self.config.model!r}: "
                              f"speculation needs the same tokenizer")
-        return draft
+        c = self.config
+
+        def load(quantization: str) -> Model:
+            return load_model(files.gguf_path, c.torch_dtype, c.device, c.max_model_len, quantization, files.cache_dir,
+                              c.deterministic)
+
+        draft = load(c.draft_quant)
+        packed = any(isinstance(v, Linear) and not isinstance(v, DenseLinear)
+                     for layer in getattr(draft, "layers", []) for v in vars(layer).values())
+        return draft, (load("none") if packed else None)
 
     def encode(self, prompt: Prompt) -> list[int]:
         if isinstance(prompt, str):

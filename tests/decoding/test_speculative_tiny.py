@@ -132,3 +132,31 @@ def test_ledger_counts_drafts_per_request():
     assert led.prompt_tokens == sum(len(p) for p in ps)  # verify chunks are decode work, not prompt
     assert led.recomputed_tokens == 0  # rejected positions computed again are not "recomputed"
     assert sum(s.sampled for s in spans.values()) == sum(len(o) for o in out)
+
+
+def test_packed_draft_with_dense_catch_up_keeps_greedy_output():
+    """An int4 draft (bf16 activations) whose prompt catch-up runs through its dense copy into the same
+    cache: the target's greedy output is unchanged and every block comes back."""
+    import torch
+
+    from tokenhaul.layers.quantization import LinearFactory, QuantSpec
+
+    ps = prompts(4)
+    plain = run_requests(core_with(), ps, greedy())
+    packed = tiny_model(seed=0, make=LinearFactory(QuantSpec("int4", 32), torch.bfloat16))
+    cfg = EngineConfig(model="tiny", dtype="fp32", num_kv_blocks=64, block_size=4)
+    core = EngineCore(cfg, tiny_model(), draft_model=packed, draft_prefill_model=tiny_model(seed=0))
+    core.observer = counter = SpecCounter()
+    assert run_requests(core, ps, greedy("draft")) == plain
+    assert counter.accepted > 0  # the draft is the target's own weights, int4-rounded: mostly right
+    assert core.pool.num_used == 0
+
+
+def test_draft_quantization_default_is_int4_under_bf16_only():
+    from tokenhaul.errors import TokenhaulError
+
+    assert EngineConfig(dtype="bf16").draft_quant == "int4"
+    assert EngineConfig(dtype="fp32").draft_quant == "auto"  # as --quantization: the exact fp32 path
+    assert EngineConfig(dtype="bf16", draft_quantization="none").draft_quant == "none"
+    with pytest.raises(TokenhaulError, match="unknown quantization"):
+        EngineConfig(draft_quantization="int3")

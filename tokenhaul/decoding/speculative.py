@@ -4,7 +4,12 @@ forward per drafted position; the target verifies them all in one pass (decoding
 The draft's KV lives in its own cache addressed by the target's block ids (the same block tables,
 copied together on copy-on-write), so allocation, forks and rollback are the KV manager's alone.
 Per request the proposer remembers how many positions of its cache are valid; after a rejection it
-is cut back to the target's computed tokens (the rollback in the draft cache)."""
+is cut back to the target's computed tokens (the rollback in the draft cache).
+
+A packed (int4) draft drafts cheaply, one row at a time, but its kernels scale like a loop of GEMVs with
+the rows, so catching up a prompt would cost more than the target's own prefill. Given a dense copy of
+the draft (`prefill_model`, same weights), steps of more than PREFILL_ROWS rows run through it, into the
+same cache."""
 
 from __future__ import annotations
 
@@ -27,11 +32,17 @@ def check_pair(target: Model, draft: Model) -> None:
                          f"the same tokenizer (e.g. qwen2.5-coder-0.5b drafting for qwen2.5-coder-1.5b)")
 
 
+PREFILL_ROWS = 16  # above this many rows a dense bf16 GEMM beats the packed int4 kernel (MACHINE.md: M=8
+# int4 11.5 ms vs bf16 19.7, M=32 42.6 vs 32.0)
+
+
 class DraftModel:
     writes_kv = True
 
-    def __init__(self, model: Model, kv: KVCache, device: str | torch.device) -> None:
+    def __init__(self, model: Model, kv: KVCache, device: str | torch.device,
+                 prefill_model: Model | None = None) -> None:
         self.runner = ModelRunner(model, kv, device)
+        self.prefill_runner = ModelRunner(prefill_model, kv, device) if prefill_model is not None else self.runner
         self.block_size = kv.block_size
         self._valid: dict[str, tuple[int, int]] = {}  # request id → (valid draft KV positions, preemptions)
 
@@ -50,8 +61,9 @@ class DraftModel:
             chunks.append(ScheduledChunk(r, valid, r.num_tokens - valid, 0, 1))
         probs: dict[str, list[torch.Tensor]] = {rid: [] for rid in live}
         while chunks:
-            inp = self.runner.prepare(SchedulerOutput(chunks))
-            logits = self.runner.forward(inp)
+            runner = self.prefill_runner if sum(c.num_tokens for c in chunks) > PREFILL_ROWS else self.runner
+            inp = runner.prepare(SchedulerOutput(chunks))
+            logits = runner.forward(inp)
             rs = [c.request for c in inp.sample_chunks]
             batch = SamplingBatch.build(rs, logits.shape[-1], [r.draft_token_ids for r in rs])
             logits = apply_penalties(logits, batch)

@@ -80,9 +80,11 @@ def make_cache(config: EngineConfig, model: Model, num_blocks: int) -> KVCache:
 
 class EngineCore:
     def __init__(self, config: EngineConfig, model: Model, observer: StepObserver | None = None,
-                 draft_model: Model | None = None, step_time: StepTimeModel | None = None) -> None:
+                 draft_model: Model | None = None, step_time: StepTimeModel | None = None,
+                 draft_prefill_model: Model | None = None) -> None:
         """step_time: the model that sizes chunks under config.itl_target_ms (default: this machine's
-        calibration, measured now if not cached)."""
+        calibration, measured now if not cached). draft_prefill_model: a packed draft's dense copy, for its
+        long catch-up steps (decoding/speculative.py)."""
         self.config = config
         self.model = model
         self.observer = observer
@@ -99,7 +101,7 @@ class EngineCore:
         if draft_model is not None:
             check_pair(model, draft_model)
             mirrors = (make_cache(config, draft_model, num_blocks),)
-            proposers["draft"] = DraftModel(draft_model, mirrors[0], config.device)
+            proposers["draft"] = DraftModel(draft_model, mirrors[0], config.device, draft_prefill_model)
         self.runner = ModelRunner(model, self.kv, config.device, mirrors, config.deterministic)
         self.decoder = Decoder(proposers, max_len, config.speculative_max_batch)
         self.beams = BeamSearch(self.scheduler, max_len)
