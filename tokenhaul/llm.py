@@ -10,6 +10,7 @@ from tokenhaul.config import EngineConfig
 from tokenhaul.engine.core import EngineCore
 from tokenhaul.errors import ModelError, RequestError
 from tokenhaul.kv.cache import KVCache
+from tokenhaul.kv.manager import KVHolder
 from tokenhaul.layers.linear import Linear
 from tokenhaul.layers.linear_dense import DenseLinear
 from tokenhaul.ledger.costs import ModelCosts
@@ -75,9 +76,11 @@ class LLM:
             raise RequestError("prompt is empty")
         return list(prompt)
 
-    def generate(self, prompts: Prompt | list[Prompt],
-                 params: SamplingParams | list[SamplingParams] | None = None) -> list[RequestOutput]:
-        """Run every prompt through the engine core together; outputs in prompt order."""
+    def generate(self, prompts: Prompt | list[Prompt], params: SamplingParams | list[SamplingParams] | None = None,
+                 *, fork_from: list[KVHolder | None] | None = None,
+                 keep_kv: list[KVHolder | None] | None = None) -> list[RequestOutput]:
+        """Run every prompt through the engine core together; outputs in prompt order. fork_from / keep_kv
+        (per prompt, for tree search): start from KV held there; keep the KV when done (core.release)."""
         if isinstance(prompts, str) or (isinstance(prompts, list) and prompts and isinstance(prompts[0], int)):
             prompts = [prompts]
         params = params or SamplingParams()
@@ -88,10 +91,11 @@ class LLM:
         eos = tuple(self.tokenizer.eos_token_ids)
         ids = []
         try:
-            for prompt, p in zip(prompts, plist):
+            for i, (prompt, p) in enumerate(zip(prompts, plist)):
                 rid = f"gen-{next(self._ids)}"
                 token_ids = self.encode(prompt)
-                self.core.add_request(rid, token_ids, p, eos)
+                self.core.add_request(rid, token_ids, p, eos, fork_from=fork_from[i] if fork_from else None,
+                                      keep_kv=keep_kv[i] if keep_kv else None)
                 frontend.add(rid, token_ids, p)
                 ids.append(rid)
             while self.core.has_unfinished():

@@ -60,6 +60,30 @@ def test_fork_shares_blocks_and_copies_on_first_write():
     assert pool.num_free == 11 and pool.ref == [0] * 11
 
 
+def test_fork_a_prefix_from_a_holder_then_branch():
+    """A finished sequence's blocks kept in a KVHolder; a branch forks its first 5 tokens only (block 1
+    partly), writes its own token at 5 (copy of block 1) and never sees the holder's later blocks."""
+    from tokenhaul.kv.manager import KVHolder
+
+    kv, pool = manager()
+    seq = Seq(list(range(10)))
+    kv.allocate_slots(seq, 10)
+    seq.num_computed_tokens = 10
+    kv.commit(seq)  # blocks 0, 1 cached by content
+    held = KVHolder(list(range(10)))
+    kv.fork(seq, held)
+    kv.free(seq)
+    assert held.block_ids == [0, 1, 2] and pool.ref[:3] == [1, 1, 1]
+    branch = Seq([0, 1, 2, 3, 4, 99])
+    kv.fork(held, branch, 5)
+    assert branch.block_ids == [0, 1] and branch.num_computed_tokens == 5 and len(branch.block_hashes) == 1
+    assert pool.ref[:3] == [2, 2, 1]
+    assert kv.allocate_slots(branch, 1) == [(1, 3)] and branch.block_ids == [0, 3]
+    kv.free(branch)
+    kv.free(held)
+    assert pool.num_free == 11 and pool.ref == [0] * 11
+
+
 def test_commit_caches_only_computed_full_blocks():
     kv, pool = manager()
     s = Seq(list(range(9)))

@@ -15,7 +15,7 @@ were not scheduled (token budget, preemption) gives its row back and computes it
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 
@@ -23,24 +23,10 @@ from tokenhaul.engine.messages import RequestDelta, Sample
 from tokenhaul.engine.request import Request, Status
 from tokenhaul.engine.scheduler import ScheduledChunk, Scheduler
 from tokenhaul.errors import CapacityError, RequestError
+from tokenhaul.kv.manager import KVHolder
 from tokenhaul.sampling_params import SamplingParams
 
 NEG = -1.0e9  # transformers' "impossible" score
-
-
-@dataclass
-class _Fork:
-    """A KV owner that holds forked blocks while the beams they go to are being rebuilt."""
-
-    prompt_token_ids: list[int]
-    output_token_ids: list[int]
-    block_ids: list[int] = field(default_factory=list)
-    block_hashes: list[int] = field(default_factory=list)
-    num_computed_tokens: int = 0
-
-    @property
-    def all_token_ids(self) -> list[int]:
-        return self.prompt_token_ids + self.output_token_ids
 
 
 @dataclass
@@ -179,7 +165,7 @@ class BeamSearch:
         hand the forks over. Beams that descend from one parent share its blocks."""
         forks = []
         for q, t in zip(parents, tokens):
-            f = _Fork(g.prompt_token_ids, g.beams[q].output_token_ids + [t])
+            f = KVHolder(g.prompt_token_ids + g.beams[q].output_token_ids + [t])
             self.kv.fork(g.beams[q], f)
             forks.append(f)
         for b in g.beams:
@@ -192,7 +178,7 @@ class BeamSearch:
             self.owner[b.request_id] = g
             self.scheduler.adopt(b)
         for b, f in zip(g.beams, forks):
-            b.output_token_ids = f.output_token_ids
+            b.output_token_ids = f.token_ids[len(g.prompt_token_ids):]
             b.block_ids, b.block_hashes, b.num_computed_tokens = f.block_ids, f.block_hashes, f.num_computed_tokens
         g.num_forks += len(forks)
 

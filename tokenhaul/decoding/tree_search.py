@@ -3,10 +3,11 @@ the model's top-k at the node, leaves are scored by a user reward on a greedy ro
 mean log-probability of the whole continuation), and UCT picks where to look next.
 
 Each level picks up to `width` distinct leaves (UCT with virtual visits, so one level spreads out)
-and runs their rollouts as one batch through the engine. Rollouts that branch off one path share
-its KV blocks: a rollout's prompt is the prompt plus the path, and its full blocks are the blocks the
-parent's rollout already wrote (ref-counted prefix blocks, kv/prefix_cache.py). A rollout also
-returns the top-k at every position of its greedy path, so the nodes along it expand for free."""
+and runs their rollouts as one batch through the engine. Branches share KV by fork: every rollout's
+blocks are kept (a KVHolder) until the search ends, and a rollout from a node starts from the blocks
+of the rollout that walked the node's path, up to the branch point (copy-on-write for the partial
+block), so it computes only its own new token before decoding. A rollout also returns the top-k at
+every position of its greedy path, so the nodes along it expand for free."""
 
 from __future__ import annotations
 
@@ -15,6 +16,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
+from tokenhaul.kv.manager import KVHolder
 from tokenhaul.sampling_params import SamplingParams
 
 if TYPE_CHECKING:
@@ -52,6 +54,7 @@ class Node:
     #                                             logprob, top-k at that position); None until rolled out
     tail_reward: float = 0.0  # the reward of the rollout that walked the known path
     done: bool = False  # the path itself is complete (stop token or length): nothing to expand
+    kv: KVHolder | None = None  # the KV of the rollout that walked this path (prompt + path + its tail)
 
     def uct(self, c: float, parent_visits: int) -> float:
         """Mean reward + c·sqrt(ln N / n); a child never visited comes first."""
@@ -85,11 +88,16 @@ class TreeSearch:
         rollouts: list[Rollout] = []
         self._complete: list[Rollout] = []  # paths found complete on expansion (a stop token in the top-k)
         level = 0
-        for level in range(levels + 1):
-            leaves = [root] if level == 0 else self._select(root)
-            if not leaves:
-                break
-            rollouts += self._roll_out(ids, leaves, level)
+        self._held: list[KVHolder] = []
+        try:
+            for level in range(levels + 1):
+                leaves = [root] if level == 0 else self._select(root)
+                if not leaves:
+                    break
+                rollouts += self._roll_out(ids, leaves, level)
+        finally:
+            for h in self._held:
+                self.llm.core.release(h)
         rollouts += self._complete
         return SearchResult(max(rollouts, key=lambda r: r.reward), rollouts[0], rollouts, level, root)
 
@@ -134,9 +142,13 @@ class TreeSearch:
         """Greedy rollouts from every leaf as one batch; rewards back up the tree."""
         params = [SamplingParams(max_tokens=self.max_tokens - len(n.token_ids), temperature=0, logprobs=self.top_k,
                                  stop=self.stop) for n in leaves]
-        outs = self.llm.generate([ids + n.token_ids for n in leaves], params)
+        held = [KVHolder() for _ in leaves]
+        self._held += held
+        outs = self.llm.generate([ids + n.token_ids for n in leaves], params, keep_kv=held,
+                                 fork_from=[n.parent.kv if n.parent else None for n in leaves])
         rollouts = []
-        for node, out in zip(leaves, outs):
+        for node, out, kv in zip(leaves, outs, held):
+            node.kv = kv
             lps = out.logprobs or []
             r = self._score(node.token_ids + out.token_ids, node.logprobs + [lp.logprob for lp in lps],
                             out.finish_reason, level)
@@ -153,7 +165,7 @@ class TreeSearch:
         for t, lp in top or [(tok, node.tail[0][1])]:
             child = Node(node.token_ids + [t], node.logprobs + [lp], node)
             if t == tok:
-                child.tail, child.tail_reward = node.tail[1:], node.tail_reward
+                child.tail, child.tail_reward, child.kv = node.tail[1:], node.tail_reward, node.kv
                 child.visits, child.value = 1, node.tail_reward
                 child.done = not child.tail
             elif t in self.stops or len(child.token_ids) >= self.max_tokens:

@@ -27,7 +27,7 @@ from tokenhaul.engine.step_time import StepTimeModel
 from tokenhaul.errors import CapacityError, RequestError
 from tokenhaul.kv.block_pool import BlockPool
 from tokenhaul.kv.cache import KVCache
-from tokenhaul.kv.manager import KVManager
+from tokenhaul.kv.manager import KVHolder, KVManager
 from tokenhaul.kv.prefix_cache import PrefixCache
 from tokenhaul.models.registry import Model
 from tokenhaul.sampling_params import SamplingParams
@@ -114,15 +114,27 @@ class EngineCore:
         return self.scheduler.config.max_model_len
 
     def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
-                    eos_token_ids: tuple[int, ...] = (), priority: int = 0) -> None:
-        """Queue a request; raises RequestError/CapacityError if it can never run."""
+                    eos_token_ids: tuple[int, ...] = (), priority: int = 0, *, fork_from: KVHolder | None = None,
+                    keep_kv: KVHolder | None = None) -> None:
+        """Queue a request; raises RequestError/CapacityError if it can never run. fork_from: start from
+        the blocks held there, as far as its tokens match the prompt (copy-on-write); keep_kv: an empty
+        holder that receives the request's blocks when it finishes (release it with `release`)."""
         if params.speculative not in self.decoder.proposers and params.speculative != "off":
             raise RequestError(f"speculative={params.speculative!r} needs an engine started with a draft model "
                                f"(--draft-model)")
         if params.use_beam_search:
             self.beams.add(request_id, list(prompt_token_ids), params, tuple(eos_token_ids), priority)
             return
-        self.scheduler.add(Request(request_id, list(prompt_token_ids), params, tuple(eos_token_ids), priority))
+        req = Request(request_id, list(prompt_token_ids), params, tuple(eos_token_ids), priority, kv_heir=keep_kv)
+        self.scheduler.add(req)
+        if fork_from is not None:
+            held = fork_from.token_ids[:min(fork_from.num_computed_tokens, len(req.prompt_token_ids) - 1)]
+            n = next((i for i, (a, b) in enumerate(zip(held, req.prompt_token_ids)) if a != b), len(held))
+            self.scheduler.kv.fork(fork_from, req, n)
+
+    def release(self, holder: KVHolder) -> None:
+        """Free the blocks a holder kept (add_request's keep_kv)."""
+        self.scheduler.kv.free(holder)
 
     def abort(self, request_id: str, reason: str = "abort") -> None:
         """Finish a request now (client gone, stop string seen); its KV blocks are freed at once."""

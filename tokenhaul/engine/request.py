@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from tokenhaul.kv.manager import KVHolder
 from tokenhaul.sampling_params import SamplingParams
 
 _arrival = itertools.count()
@@ -45,6 +46,7 @@ class Request:
     generator: torch.Generator | None = None
     draft_token_ids: list[int] = field(default_factory=list)  # proposed after the last token, to verify
     num_lookahead: int = 0  # KV slots to reserve past the scheduled tokens for the next proposal
+    kv_heir: KVHolder | None = None  # at finish its blocks are forked here before being freed (tree search)
 
     def __post_init__(self) -> None:
         if self.params.seed is not None:

@@ -292,6 +292,9 @@ class Scheduler:
         self.waiting.insert(bisect.bisect(keys, req.sort_key), req)
 
     def _finish(self, req: Request, reason: str) -> None:
+        if req.kv_heir is not None:
+            req.kv_heir.token_ids = req.all_token_ids
+            self.kv.fork(req, req.kv_heir)
         self.kv.free(req)
         req.draft_token_ids = []
         req.status = Status.FINISHED

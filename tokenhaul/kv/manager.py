@@ -9,6 +9,7 @@ slots; blocks shared with another request (fork) or the prefix cache are never w
 
 from __future__ import annotations
 
+from dataclasses import dataclass, field
 from typing import Protocol
 
 from tokenhaul.kv.block_pool import BlockPool
@@ -24,6 +25,21 @@ class KVOwner(Protocol):
 
     @property
     def all_token_ids(self) -> list[int]: ...
+
+
+@dataclass
+class KVHolder:
+    """Blocks held outside any running request: a beam's fork in transit, a finished tree-search rollout
+    kept so its branches can fork from it. `token_ids`: the tokens whose KV the blocks hold."""
+
+    token_ids: list[int] = field(default_factory=list)
+    block_ids: list[int] = field(default_factory=list)
+    block_hashes: list[int] = field(default_factory=list)
+    num_computed_tokens: int = 0
+
+    @property
+    def all_token_ids(self) -> list[int]:
+        return self.token_ids
 
 
 class KVManager:
@@ -88,15 +104,16 @@ class KVManager:
             del req.block_ids[keep:]
         del req.block_hashes[num_slots // self.block_size:]
 
-    def fork(self, parent: KVOwner, child: KVOwner) -> None:
-        """Let `child` share the blocks of `parent`'s computed tokens (one more reference each); the
-        first write into a shared block copies it (allocate_slots). `child` must hold no blocks."""
+    def fork(self, parent: KVOwner, child: KVOwner, num_tokens: int | None = None) -> None:
+        """Let `child` share the blocks of `parent`'s first `num_tokens` computed tokens (default: all),
+        one more reference each; the first write into a shared block copies it (allocate_slots).
+        `child` must hold no blocks."""
         assert not child.block_ids, "fork into a request that already holds blocks"
-        n = self.blocks_for(parent.num_computed_tokens)
-        child.block_ids = parent.block_ids[:n]
+        n_tok = parent.num_computed_tokens if num_tokens is None else min(num_tokens, parent.num_computed_tokens)
+        child.block_ids = parent.block_ids[:self.blocks_for(n_tok)]
         self.pool.touch(child.block_ids)
-        child.block_hashes = list(parent.block_hashes)
-        child.num_computed_tokens = parent.num_computed_tokens
+        child.block_hashes = parent.block_hashes[:n_tok // self.block_size]
+        child.num_computed_tokens = n_tok
 
     def free(self, req: KVOwner) -> None:
         """Release every block of `req` and forget what it had computed."""
