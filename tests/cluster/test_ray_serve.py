@@ -126,8 +126,42 @@ def test_bench_serve_reports_each_replica(cluster):
     s = loadgen.benchmark(url, loadgen.random_dataset(8, 24, 4), concurrency=4)
     assert s["completed"] == 8 and set(s["per_replica"]) == {"0", "1"}, s["per_replica"]
     assert sum(v["completed"] for v in s["per_replica"].values()) == 8
-    assert "per replica: 0: " in loadgen.format_table(s)
     assert s["prefix_hit_rate"] < 0.5  # distinct prompts: little to share (a chat-free lead word at most)
+    for name in "01":  # the client's view (by the header) and each replica's own ledger, side by side
+        assert s["per_replica"][name]["ttft_ms"]["p50"] > 0 and s["per_replica"][name]["itl_ms"]["p99"] > 0
+        led = s["ledger"]["per_replica"][name]
+        assert led["prompt_tokens_computed"] > 0 and led["engine_steps"] > 0
+        assert led["prefix_miss"]["tokens"] > 0 and led["prefix_miss"]["kv_bytes"] > 0
+    assert s["ledger"]["prompt_tokens_computed"] == sum(v["prompt_tokens_computed"]
+                                                        for v in s["ledger"]["per_replica"].values())
+    assert s["ledger"]["duplicate_prefix"]["tokens"] == 0  # nothing shared, nothing computed twice
+    table = loadgen.format_table(s)
+    assert "\n0 " in table and "\n1 " in table and "\ntotal " in table and "prefix-cache misses" in table
+
+
+def test_ledger_gathers_step_records_from_every_replica(cluster):
+    url, _, _ = cluster
+    before = httpx.get(url + "/ledger").json()
+    assert set(before["replicas"]) == {"0", "1"} and all(not r["step_records"] for r in before["replicas"].values())
+
+    async def ask() -> list[httpx.Response]:  # four new prefixes at once: two on each replica
+        async with httpx.AsyncClient(timeout=120) as c:
+            return await asyncio.gather(*(c.post(url + "/v1/completions", json={
+                "model": MODEL, "prompt": f"Ledger topic {i}. " * 20, "max_tokens": 3, "temperature": 0,
+                "ignore_eos": True}) for i in range(4)))
+
+    served = asyncio.run(ask())
+    assert all(r.status_code == 200 for r in served)
+    assert sorted(r.headers["x-tokenhaul-replica"] for r in served) == ["0", "0", "1", "1"]
+    since = min(r["last_step"] for r in before["replicas"].values())
+    after = httpx.get(url + "/ledger", params={"since": since}).json()
+    for name, snap in after["replicas"].items():
+        assert snap["steps"] > before["replicas"][name]["steps"]
+        assert snap["step_records"] and all(rec["replica"] == name and rec["bytes"] > 0
+                                            for rec in snap["step_records"])
+        assert "pid" in snap["where"] and snap["kv_bytes_per_token"] > 0
+        assert snap["prefix_miss"]["tokens"] >= 2 * 20 * 3  # at least its two new prompts' tokens missed
+    assert "duplicate_prefix_tokens" in after["routing"]
 
 
 def test_killed_replica_loses_no_unstreamed_request_and_comes_back(cluster):

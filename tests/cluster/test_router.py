@@ -23,17 +23,28 @@ def test_shared_prefix_sticks_and_distinct_prefixes_spread():
     assert (r.counts.affinity, r.counts.unmatched, r.counts.spilled) == (6, 2, 0)
 
 
-def test_load_cap_spills_a_hot_prefix_then_both_hold_it():
+def test_load_cap_spills_a_hot_prefix_which_stays_home_under_the_cap():
     r = Router(["a", "b"], BS, load_cap=2)
     names = [r.route(prompt(1, tail=i)) for i in range(3)]
     assert names == ["a", "a", "b"]  # a has 2 in flight, b 0: 2 < 0 + 2 is false → spill to b
     assert r.counts.spilled == 1
-    # b now holds the prefix too: the next goes to whichever owner is less loaded
-    assert r.route(prompt(1, tail=3)) == "b"
-    assert (r.load["a"], r.load["b"]) == (2, 2)
-    r.finish("a")
-    r.finish("a")
-    assert r.route(prompt(1, tail=4)) == "a"
+    assert r.route(prompt(1, tail=3)) == "a"  # a is its home and under the cap again (2 < 1 + 2)
+    assert r.route(prompt(1, tail=4)) == "b"  # 3 < 1 + 2 is false: spilled again
+    assert (r.load["a"], r.load["b"], r.counts.spilled) == (3, 2, 2)
+    for _ in range(3):
+        r.finish("a")
+    assert r.route(prompt(1, tail=5)) == "a"
+
+
+def test_prefix_sent_to_a_second_replica_counts_as_computed_twice():
+    rr = Router(["a", "b"], BS, policy="round_robin")
+    assert [rr.route(prompt(1, tail=i)) for i in range(3)] == ["a", "b", "a"]
+    assert rr.counts.duplicate_tokens == 4 * BS  # b was sent the 4 blocks a had: once; a again: none
+    rr.route(prompt(1, n_blocks=6, tail=9))  # to b: blocks 1-4 it holds, 5-6 nobody was sent
+    assert rr.counts.duplicate_tokens == 4 * BS
+    ca = Router(["a", "b"], BS, load_cap=100)
+    assert {ca.route(prompt(1, tail=i)) for i in range(3)} == {"a"}
+    assert ca.counts.duplicate_tokens == 0
 
 
 def test_longest_match_wins():

@@ -7,7 +7,10 @@ Requests arrive as a Poisson process (`rate` per second; inf → all at once), a
 flight, and goodput (requests per second meeting every SLO given; the ITL SLO bounds a request's
 longest gap). The `mixed` dataset mixes long and short prompts, as a chat server sees them. Output token counts come
 from the server's usage chunk (stream_options.include_usage), else from the number of text chunks.
-If the server exports tokenhaul's /metrics, the front end's last-mile cost per token is reported.
+If the server exports tokenhaul's /metrics, the front end's last-mile cost per token is reported;
+if it has tokenhaul's /ledger, per engine replica (the `x-tokenhaul-replica` header names it) the
+prefix hit rate, the prompt tokens it computed and what its prefix-cache misses cost in bytes, and
+the prefix tokens computed on a second replica after another had been sent them.
 """
 
 from __future__ import annotations
@@ -25,6 +28,8 @@ from typing import Any
 
 import httpx
 import numpy as np
+
+from tokenhaul.ledger.costs import prefix_miss_cost
 
 _WORDS = (
     "the of and to in is was for on with as by at from that this be are it an or have had not but "
@@ -209,6 +214,51 @@ async def scrape_last_mile(url: str) -> dict[str, float] | None:
     return out
 
 
+async def scrape_ledger(url: str) -> dict[str, Any] | None:
+    """tokenhaul's /ledger (totals per replica, no step records); None if the server has none."""
+    try:
+        async with httpx.AsyncClient(timeout=30.0) as c:
+            r = await c.get(base_url(url) + "/ledger")
+    except httpx.HTTPError:
+        return None
+    return r.json() if r.status_code == 200 else None
+
+
+_COUNTERS = ("steps", "prompt_tokens_computed", "generated_tokens", "recomputed_tokens", "finished_prompt_tokens",
+             "finished_cached_tokens", "prefill_bytes", "prefill_flops", "prefill_tokens")
+
+
+def ledger_figures(before: dict[str, Any], after: dict[str, Any]) -> tuple[dict[str, dict], dict[str, Any]]:
+    """Per replica and in total, what the engines' ledgers counted between two /ledger scrapes: prefix
+    hit rate, prompt tokens computed, and the cost of the prefix-cache misses (ledger/costs.py)."""
+    per: dict[str, dict] = {}
+    total = dict.fromkeys(_COUNTERS, 0)
+    kv_per_token = 0
+    for name, a in after["replicas"].items():
+        b = before["replicas"].get(name)
+        if b is None or b["steps"] > a["steps"]:  # new, or restarted meanwhile: its ledger began again
+            b = dict.fromkeys(_COUNTERS, 0)
+        d = {k: a[k] - b[k] for k in _COUNTERS}
+        kv_per_token = a["kv_bytes_per_token"]
+        for k in _COUNTERS:
+            total[k] += d[k]
+        per[name] = _ledger_row(d, kv_per_token)
+    out = _ledger_row(total, kv_per_token)
+    dup = after["routing"].get("duplicate_prefix_tokens", 0) - before["routing"].get("duplicate_prefix_tokens", 0)
+    if "duplicate_prefix_tokens" in after["routing"]:
+        out["duplicate_prefix"] = {"tokens": dup, "kv_bytes": dup * kv_per_token}
+    return per, out
+
+
+def _ledger_row(d: dict[str, int], kv_per_token: int) -> dict[str, Any]:
+    prompt, cached = d["finished_prompt_tokens"], d["finished_cached_tokens"]
+    return {"prefix_hit_rate": cached / prompt if prompt else None,
+            "prompt_tokens_computed": d["prompt_tokens_computed"], "engine_steps": d["steps"],
+            "recomputed_tokens": d["recomputed_tokens"],
+            "prefix_miss": prefix_miss_cost(prompt - cached, kv_per_token, d["prefill_bytes"], d["prefill_flops"],
+                                d["prefill_tokens"])}
+
+
 # summary --------------------------------------------------------------------------------------
 def _stats(xs: list[float]) -> dict[str, float | None]:
     if not xs:
@@ -251,10 +301,16 @@ def summarize(results: list[RequestResult], wall_s: float, slo_ttft_ms: float | 
         "itl_p99_over_p50": itl["p99"] / itl["p50"] if itl["p50"] else None,
         "e2e_ms": _stats([r.e2e for r in ok]),
         "mean_in_flight": sum(r.e2e for r in ok) / wall_s if wall_s > 0 else 0.0,
-        "per_replica": {name: {"completed": len(rs), "output_throughput": sum(r.output_tokens for r in rs) / wall_s}
-                        for name in sorted({r.replica for r in ok if r.replica})
+        "per_replica": {name: _replica(rs, wall_s) for name in sorted({r.replica for r in ok if r.replica})
                         if (rs := [r for r in ok if r.replica == name]) and wall_s > 0},
     }
+
+
+def _replica(rs: list[RequestResult], wall_s: float) -> dict[str, Any]:
+    """The client's view of one replica: the requests it served, their throughput and latencies."""
+    return {"completed": len(rs), "output_throughput": sum(r.output_tokens for r in rs) / wall_s,
+            "ttft_ms": _stats([r.ttft for r in rs if r.ttft is not None]),
+            "itl_ms": _stats([x for r in rs for x in r.itls])}
 
 
 def _fmt(x: float | None, spec: str = ".1f") -> str:
@@ -275,9 +331,18 @@ def format_table(s: dict[str, Any]) -> str:
     lines.append(f"ITL p99/p50 {_fmt(s['itl_p99_over_p50'], '.2f')}")
     if s.get("prefix_hit_rate") is not None:
         lines.append(f"prefix cache hit rate {s['prefix_hit_rate']:.1%} of prompt tokens (all replicas)")
-    if len(s.get("per_replica") or {}) > 1:
-        lines.append("per replica: " + " | ".join(f"{n}: {v['completed']} req, {v['output_throughput']:.1f} tok/s"
-                                                  for n, v in s["per_replica"].items()))
+    if len(s.get("per_replica") or {}) > 1 or s.get("ledger"):
+        lines.append(_replica_table(s))
+    led = s.get("ledger")
+    if led:
+        miss = led["prefix_miss"]
+        lines.append(f"prefix-cache misses (all replicas): {miss['tokens']} prompt tokens computed, "
+                     f"{miss['kv_bytes'] / 1e6:.1f} MB of KV written, {miss['bytes_moved'] / 1e9:.2f} GB moved, "
+                     f"{miss['flops'] / 1e9:.0f} GFLOP")
+        dup = led.get("duplicate_prefix")
+        if dup is not None:
+            lines.append(f"prefix computed again on a second replica (router's view): {dup['tokens']} tokens, "
+                         f"{dup['kv_bytes'] / 1e6:.1f} MB of KV recomputed rather than reused")
     lm = s.get("last_mile_us_per_token")
     if lm is not None:
         lines.append(f"last mile (server front end) {lm['total']:.1f} µs/token = detokenize+stop "
@@ -287,22 +352,54 @@ def format_table(s: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
+def _replica_table(s: dict[str, Any]) -> str:
+    """One row per replica (client-side latencies, engine-side prefix figures) and the total."""
+    rows = [f"{'replica':<8}{'req':>5}{'tok/s':>8}{'TTFT p50':>10}{'p99':>8}{'ITL p50':>9}{'p99':>8}"
+            f"{'hit rate':>10}{'computed':>10}{'miss MB KV':>11}"]
+    led = (s.get("ledger") or {}).get("per_replica", {})
+    for name in sorted(set(s["per_replica"]) | set(led)):
+        c, e = s["per_replica"].get(name), led.get(name)
+        row = f"{name:<8}"
+        row += (f"{c['completed']:>5}{c['output_throughput']:>8.1f}{_fmt(c['ttft_ms']['p50'], '.0f'):>10}"
+                f"{_fmt(c['ttft_ms']['p99'], '.0f'):>8}{_fmt(c['itl_ms']['p50'], '.0f'):>9}"
+                f"{_fmt(c['itl_ms']['p99'], '.0f'):>8}") if c else f"{0:>5}{'-':>8}{'-':>10}{'-':>8}{'-':>9}{'-':>8}"
+        row += _ledger_cells(e)
+        rows.append(row)
+    t = s["ttft_ms"]
+    rows.append(f"{'total':<8}{s['completed']:>5}{s['output_throughput']:>8.1f}{_fmt(t['p50'], '.0f'):>10}"
+                f"{_fmt(t['p99'], '.0f'):>8}{_fmt(s['itl_ms']['p50'], '.0f'):>9}{_fmt(s['itl_ms']['p99'], '.0f'):>8}"
+                + _ledger_cells(s.get("ledger")))
+    return "\n".join(rows)
+
+
+def _ledger_cells(e: dict[str, Any] | None) -> str:
+    if not e:
+        return f"{'-':>10}{'-':>10}{'-':>11}"
+    hit = "-" if e["prefix_hit_rate"] is None else f"{e['prefix_hit_rate']:.1%}"
+    return f"{hit:>10}{e['prompt_tokens_computed']:>10}{e['prefix_miss']['kv_bytes'] / 1e6:>11.1f}"
+
+
 def benchmark(url: str, specs: list[PromptSpec], slo_ttft_ms: float | None = None,
               slo_tpot_ms: float | None = None, slo_e2e_ms: float | None = None, slo_itl_ms: float | None = None,
               **kw: Any) -> dict[str, Any]:
     """Run the load and summarize (blocking); kw go to run_load."""
 
     async def go() -> dict[str, Any]:
-        before = await scrape_last_mile(url)
+        before, led0 = await scrape_last_mile(url), await scrape_ledger(url)
         results, wall, model = await run_load(url, specs, **kw)
         s = summarize(results, wall, slo_ttft_ms, slo_tpot_ms, slo_e2e_ms, slo_itl_ms)
-        after = await scrape_last_mile(url)
+        after, led1 = await scrape_last_mile(url), await scrape_ledger(url)
+        if led0 and led1:
+            per, total = ledger_figures(led0, led1)
+            s["ledger"] = total | {"per_replica": per}
         s["model"] = model
         if before and after and after["tokens"] > before["tokens"]:
             n = after["tokens"] - before["tokens"]
             d = {k: (after[k] - before[k]) / n * 1e6 for k in ("detokenize", "frame")}
             s["last_mile_us_per_token"] = d | {"total": d["detokenize"] + d["frame"]}
-        if before and after and after["query"] > before["query"]:
+        if s.get("ledger") and s["ledger"]["prefix_hit_rate"] is not None:
+            s["prefix_hit_rate"] = s["ledger"]["prefix_hit_rate"]  # finished requests only, as per replica
+        elif before and after and after["query"] > before["query"]:
             s["prefix_hit_rate"] = (after["hit"] - before["hit"]) / (after["query"] - before["query"])
         return s
 

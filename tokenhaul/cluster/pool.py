@@ -134,7 +134,21 @@ class ReplicaPool(EngineClient):
         c = self.router.counts
         return {"affinity": c.affinity, "spilled": c.spilled, "unmatched": c.unmatched,
                 "round_robin": c.round_robin, "retried": self.num_retried,
-                "replica_failures": self.num_replica_failures}
+                "replica_failures": self.num_replica_failures,
+                "duplicate_prefix_tokens": c.duplicate_tokens}
+
+    async def ledgers(self, since: int | None = None) -> dict[str, dict]:
+        ray = import_ray()
+        up = [n for n in self.names if self._up[n]]
+        snaps = await asyncio.gather(*(self._actors[n].ledger.remote(since) for n in up), return_exceptions=True)
+        out = {}
+        for n, s in zip(up, snaps, strict=True):
+            if isinstance(s, ray.exceptions.RayError):  # died meanwhile: its ledger died with it
+                continue
+            if isinstance(s, BaseException):
+                raise s
+            out[n] = s | {"where": self._where(n)}
+        return out
 
     def _where(self, name: str) -> str:
         i = self._info[name]

@@ -1,7 +1,7 @@
-"""EngineReplica: the body of one Ray actor — an EngineCore with its own KV cache, stepped by a
-CoreThread inside the actor process. The front end long-polls `poll()` for outputs (one round trip
-carries every step finished since the last) and sends `add` / `abort` messages; all of them are the
-torch-free types of `engine/messages.py`.
+"""EngineReplica: the body of one Ray actor — an EngineCore with its own KV cache and ledger
+(`CoreLedger`), stepped by a CoreThread inside the actor process. The front end long-polls `poll()`
+for outputs (one round trip carries every step finished since the last) and sends `add` / `abort`
+messages; all of them are the torch-free types of `engine/messages.py`.
 
 The model is loaded in the step thread, the thread that then runs every step (CPU steps are faster
 in the thread that loaded the weights, see `server/app.py`)."""
@@ -43,26 +43,20 @@ class EngineReplica:
         self._loaded = threading.Event()
         self._load_error: BaseException | None = None
         self._core_thread = None
+        self._ledger = None
         self._limits: CoreLimits | None = None
         self._aborted: OrderedDict[str, None] = OrderedDict()  # recent aborts, in case one overtakes its add
         threading.Thread(target=self._load_and_run, name="tokenhaul-core", daemon=True).start()
 
     def _load_and_run(self) -> None:
-        import torch
-
-        from tokenhaul.config import EngineConfig
-        from tokenhaul.engine.core import EngineCore
-        from tokenhaul.models.catalog import resolve
-        from tokenhaul.models.registry import load_model
+        from tokenhaul.ledger.core_ledger import CoreLedger
+        from tokenhaul.llm import LLM
         from tokenhaul.server.core_thread import CoreThread
 
         try:
-            config = EngineConfig(model=self._model, **self._kwargs)
-            if config.threads:
-                torch.set_num_threads(config.threads)
-            files = resolve(self._model)
-            model = load_model(files.gguf_path, config.torch_dtype, config.device, config.max_model_len)
-            core = EngineCore(config, model)
+            llm = LLM(self._model, **self._kwargs)  # as `tokenhaul serve` loads it: same quantization, draft, ...
+            core = llm.core
+            self._ledger = core.observer = CoreLedger(llm.costs)
             self._limits = core.limits()
             self._core_thread = CoreThread(core, self._on_outputs)
         except BaseException as e:  # reported by ready()
@@ -118,6 +112,10 @@ class EngineReplica:
         with self._lock:
             outs, self._outbox = self._outbox, []
         return outs, self._core_thread.stats
+
+    def ledger(self, since: int | None = None) -> dict:
+        """This replica's ledger snapshot (`CoreLedger.snapshot`), step records after step `since`."""
+        return self._ledger.snapshot(since) if self._ledger is not None else {}
 
     def shutdown(self) -> None:
         if self._core_thread is not None:

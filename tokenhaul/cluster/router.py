@@ -3,7 +3,11 @@ was sent the same leading blocks before (so its prefix cache most likely holds t
 replica is over a load cap; otherwise to the least loaded replica. Plain Python, no Ray, no torch.
 
 Prefix keys are the prefix cache's own chained block hashes (`kv.prefix_cache.chain_hashes`), so a
-router match means "the same full blocks" exactly as the engine would see them."""
+router match means "the same full blocks" exactly as the engine would see them. A prefix stays with
+the replica first sent it (its home) while that one is under the cap, so a spill does not split a hot
+prefix over both caches for good. Whatever the policy, the router counts the prompt tokens it sent to
+a replica although another had been sent those leading blocks: prefix computed twice across the
+cluster, as far as the router knows (a cache may have evicted them meanwhile)."""
 
 from __future__ import annotations
 
@@ -29,6 +33,7 @@ class RouterCounts:
     spilled: int = 0  # had such a replica, but it was over the load cap
     unmatched: int = 0  # no replica had seen its leading blocks: least loaded
     round_robin: int = 0  # policy round_robin: no choice made
+    duplicate_tokens: int = 0  # prompt tokens in leading blocks another replica was sent first: computed again
 
 
 class Router:
@@ -51,7 +56,8 @@ class Router:
         self.routed = dict.fromkeys(names, 0)  # requests routed since start
         self.up = dict.fromkeys(names, True)
         self.counts = RouterCounts()
-        self._owners: OrderedDict[int, set[str]] = OrderedDict()  # block-chain hash → replicas sent it (LRU)
+        self._owners: OrderedDict[int, dict[str, None]] = OrderedDict()  # block-chain hash → replicas sent it,
+        # in the order they were first sent it (LRU over hashes)
         self._rr = itertools.count()
 
     def route(self, token_ids: list[int]) -> str:
@@ -59,14 +65,14 @@ class Router:
         live = [n for n in self.names if self.up[n]]
         if not live:
             raise NoReplica("no engine replica is up (all are restarting or dead); retry later")
+        hashes = chain_hashes(token_ids[: self.max_blocks * self.block_size], self.block_size, [])
         if self.policy == "round_robin":
             name = live[next(self._rr) % len(live)]
             self.counts.round_robin += 1
         else:
-            hashes = chain_hashes(token_ids[: self.max_blocks * self.block_size], self.block_size, [])
             name = self._choose(live, hashes if self.policy == "cache_aware" else [])
-            if self.policy == "cache_aware":
-                self._remember(hashes, name)
+        self.counts.duplicate_tokens += self._elsewhere(hashes, name) * self.block_size
+        self._remember(hashes, name)
         self.load[name] += 1
         self.routed[name] += 1
         return name
@@ -79,10 +85,10 @@ class Router:
         """Mark a replica up or down; a replica that went down lost its cache, so forget its prefixes."""
         self.up[name] = up
         if not up:
-            for h in [h for h, owners in self._owners.items() if owners == {name}]:
+            for h in [h for h, owners in self._owners.items() if list(owners) == [name]]:
                 del self._owners[h]
             for owners in self._owners.values():
-                owners.discard(name)
+                owners.pop(name, None)
 
     def _choose(self, live: list[str], hashes: list[int]) -> str:
         least = self._least_loaded(live)
@@ -90,7 +96,7 @@ class Router:
         if not owners:
             self.counts.unmatched += 1
             return least
-        best = min(owners, key=lambda n: (self.load[n], self.names.index(n)))
+        best = owners[0]  # the prefix's home: the first replica sent these blocks
         if self.load[best] < self.load[least] + self.load_cap:
             self.counts.affinity += 1
             return best
@@ -103,20 +109,32 @@ class Router:
         return min(live, key=lambda n: (self.load[n], self.routed[n], self.names.index(n)))
 
     def _deepest_owners(self, hashes: list[int], live: list[str]) -> list[str]:
-        """Live replicas sent the longest run of these leading blocks (empty if not even the first)."""
+        """Live replicas sent the longest run of these leading blocks, in the order they were first sent
+        the deepest block (empty if not even the first block was sent anywhere)."""
         found: list[str] = []
         for h in hashes:
             owners = self._owners.get(h)
-            hit = [n for n in live if owners and n in owners]
+            hit = [n for n in owners or () if n in live]
             if not hit:
                 break
             self._owners.move_to_end(h)
             found = hit
         return found
 
+    def _elsewhere(self, hashes: list[int], name: str) -> int:
+        """Leading blocks of a prompt sent to `name` that another live replica was sent and `name` not."""
+        n = 0
+        for h in hashes:
+            owners = self._owners.get(h)
+            if not owners:
+                break
+            if name not in owners and any(self.up[o] for o in owners):
+                n += 1
+        return n
+
     def _remember(self, hashes: list[int], name: str) -> None:
         for h in hashes:
-            self._owners.setdefault(h, set()).add(name)
+            self._owners.setdefault(h, {})[name] = None
             self._owners.move_to_end(h)
         while len(self._owners) > self.max_entries:
             self._owners.popitem(last=False)

@@ -20,6 +20,7 @@ from tokenhaul.engine.messages import AddRequest, CoreLimits, CoreOutputs, CoreS
 
 if TYPE_CHECKING:  # the core loads torch; this module does not
     from tokenhaul.engine.core import EngineCore
+    from tokenhaul.ledger.core_ledger import CoreLedger
 
 OnOutputs = Callable[[CoreOutputs], None]
 
@@ -71,6 +72,11 @@ class EngineClient(ABC):
         """Routing decisions by kind since start (empty when there is nothing to route)."""
         return {}
 
+    async def ledgers(self, since: int | None = None) -> dict[str, dict]:
+        """Each reachable core's ledger snapshot by replica name (`ledger/core_ledger.py`), with its step
+        records after step `since` (none when None); empty where the cores keep no ledger."""
+        return {}
+
     @abstractmethod
     def run(self) -> None:
         """Block the calling thread until `shutdown()`, doing there whatever this client needs a
@@ -83,13 +89,17 @@ class EngineClient(ABC):
 
 
 class InProcessClient(EngineClient):
-    """One EngineCore stepped by a CoreThread in this process (its own thread, or `run()`'s)."""
+    """One EngineCore stepped by a CoreThread in this process (its own thread, or `run()`'s); with a
+    `ledger` (a CoreLedger) attached as the core's observer."""
 
     NAME = "0"
 
-    def __init__(self, core: EngineCore) -> None:
+    def __init__(self, core: EngineCore, ledger: CoreLedger | None = None) -> None:
         from tokenhaul.server.core_thread import CoreThread
 
+        self.ledger = ledger
+        if ledger is not None:
+            core.observer = ledger
         self.limits = core.limits()
         self.core_thread = CoreThread(core, self._from_core_thread)
         self._loop: asyncio.AbstractEventLoop | None = None
@@ -126,6 +136,9 @@ class InProcessClient(EngineClient):
 
     def replicas(self) -> list[ReplicaState]:
         return [ReplicaState(self.NAME, self.core_thread.alive, self.core_thread.stats)]
+
+    async def ledgers(self, since: int | None = None) -> dict[str, dict]:
+        return {} if self.ledger is None else {self.NAME: self.ledger.snapshot(since)}
 
     def run(self) -> None:
         self.core_thread.run()

@@ -249,3 +249,13 @@ def step_costs(mc: ModelCosts, chunks: list[tuple[int, int]], num_sampled: int,
         flops=2 * T * mc.layer_params + 2 * num_sampled * mc.lm_head_params
         + 4 * attn * c.num_heads * c.head_dim * c.num_layers,  # linears; QK^T and PV
     )
+
+
+def prefix_miss_cost(missed_tokens: int, kv_bytes_per_token: int, prefill_bytes: int, prefill_flops: int,
+                     prefill_tokens: int) -> dict[str, float]:
+    """What prompt tokens the prefix cache did not hold cost the core that computed them: their KV
+    written (what a hit would have reused, or a cluster would ship instead of computing it again),
+    and the bytes moved and FLOPs at that core's measured prefill averages per token."""
+    per = prefill_tokens or 1
+    return {"tokens": missed_tokens, "kv_bytes": missed_tokens * kv_bytes_per_token,
+            "bytes_moved": missed_tokens * prefill_bytes / per, "flops": missed_tokens * prefill_flops / per}

@@ -131,6 +131,16 @@ def build_app(engine: AsyncEngine, options: ServerOptions | None = None, manage_
     async def metrics() -> Response:
         return Response(engine.metrics.render(), media_type=CONTENT_TYPE)
 
+    @app.get("/ledger")
+    async def ledger(since: int | None = None) -> dict[str, Any]:
+        """Every engine replica's ledger, gathered now: totals since start, what its prefix-cache misses
+        cost, and (with `since`) its step records after that step index, each naming its replica."""
+        reps = await engine.client.ledgers(since)
+        for name, snap in reps.items():
+            for rec in snap.get("step_records", ()):
+                rec["replica"] = name
+        return {"replicas": reps, "routing": engine.client.routing()}
+
     @app.get("/v1/models", response_model=P.ModelList)
     async def models() -> dict:
         card = {"id": engine.model_name, "object": "model", "created": engine.created, "owned_by": "tokenhaul",

@@ -193,11 +193,12 @@ class AsyncEngine:
                    max_prompt_chars: int | None = None, request_timeout: float | None = None,
                    **engine_kwargs) -> AsyncEngine:
         """Load a catalog model (or GGUF path) exactly as LLM does, and take over its core."""
+        from tokenhaul.ledger.core_ledger import CoreLedger
         from tokenhaul.llm import LLM
 
         llm = LLM(model, **engine_kwargs)
-        return cls(InProcessClient(llm.core), llm.tokenizer, served_model_name or model, max_waiting,
-                   max_prompt_chars, request_timeout)
+        return cls(InProcessClient(llm.core, CoreLedger(llm.costs)), llm.tokenizer, served_model_name or model,
+                   max_waiting, max_prompt_chars, request_timeout)
 
     @classmethod
     def from_client(cls, client: EngineClient, model: str, served_model_name: str | None = None,
