@@ -198,7 +198,9 @@ def serve_hop(python: str, n: int) -> str:
 
     script = Path(__file__).with_name("serve_hop.py")
     out = subprocess.run([python, str(script), "--calls", str(n)], capture_output=True, text=True, timeout=300)
-    return out.stdout.strip() if out.returncode == 0 else f"serve_hop.py failed: {out.stderr.strip()[-500:]}"
+    if out.returncode != 0:
+        return f"serve_hop.py failed: {out.stderr.strip()[-500:]}"
+    return "\n".join(ln for ln in out.stdout.splitlines() if ln.startswith(("|", "Serve")))  # not Ray's log lines
 
 
 def main() -> None:
