@@ -83,6 +83,7 @@ def test_int4_kernel_matches_float_reference(n, k_groups, m, group, bias, seed):
     assert y.shape == (m, n) and y.dtype == torch.float32
     tol = 0.01 * (x.bfloat16().float().abs() @ deq.abs().t()) + 1e-3
     assert ((y - ref).abs() <= tol).all()
+    assert torch.equal(lin.dense_t().t(), deq.bfloat16())  # the fast dequantization rounds once, like the reference
     lin.max_rows = 0  # the dense path for many rows computes the same product
     assert ((lin(x) - ref).abs() <= tol).all()
 
