@@ -128,6 +128,10 @@ def cmd_models(args: argparse.Namespace) -> None:
 def cmd_trace(args: argparse.Namespace) -> None:
     from pathlib import Path
 
+    if args.url:
+        return trace_server(args.url, Path(args.out))
+    if not args.prompt:
+        raise TokenhaulError("trace needs --prompt (or --url of a running server)")
     from tokenhaul.ledger.perfetto import write_trace
     from tokenhaul.ledger.report import text_report, write_report
     from tokenhaul.llm import LLM
@@ -154,6 +158,36 @@ def cmd_trace(args: argparse.Namespace) -> None:
     print(f"options: {options_line(llm)}")
     print(text_report(ledger, roof))
     print(f"\ntrace:  {trace}  (open in https://ui.perfetto.dev)\nreport: {report}\nsteps:  {steps}")
+
+
+def trace_server(url: str, out) -> None:
+    """A running server's ledger, every replica's: steps.jsonl (each record names its replica; replay
+    it with `whatif --replay`) and ledger.json (totals, prefix-miss cost, routing)."""
+    import httpx
+
+    try:
+        r = httpx.get(url.rstrip("/") + "/ledger", params={"since": -1}, timeout=60)
+    except httpx.HTTPError as e:
+        raise TokenhaulError(f"cannot reach {url}: {e}") from None
+    if r.status_code != 200:
+        raise TokenhaulError(f"{url}/ledger answered HTTP {r.status_code}: {r.text[:200]}")
+    led = r.json()
+    out.mkdir(parents=True, exist_ok=True)
+    with (out / "steps.jsonl").open("w") as f:
+        for snap in led["replicas"].values():
+            for rec in snap.pop("step_records"):
+                f.write(json.dumps(rec) + "\n")
+    (out / "ledger.json").write_text(json.dumps(led, indent=2))
+    for name, s in led["replicas"].items():
+        miss = s["prefix_miss"]
+        print(f"replica {name} ({s.get('where', 'in-process')}): {s['steps']} steps | prompt "
+              f"{s['prompt_tokens_computed']} tok computed @ {s['prefill_tokens_per_s']:.0f} tok/s | decode "
+              f"{s['generated_tokens']} tok @ {s['decode_tokens_per_s']:.1f} tok/s | TTFT p50 "
+              f"{s['ttft_ms']['p50']:.0f} ms (core side) | prefix misses {miss['tokens']} tok = "
+              f"{miss['kv_bytes'] / 1e6:.1f} MB KV, {miss['bytes_moved'] / 1e9:.2f} GB moved")
+    if led["routing"]:
+        print("routing: " + " ".join(f"{k} {v}" for k, v in led["routing"].items()))
+    print(f"steps:  {out / 'steps.jsonl'}\nledger: {out / 'ledger.json'}")
 
 
 def cmd_calibrate(args: argparse.Namespace) -> None:
@@ -318,7 +352,8 @@ def build_parser() -> argparse.ArgumentParser:
     t = sub.add_parser("trace", help="run prompts, write a Perfetto trace and an HTML ledger report")
     add_engine_args(t)
     add_sampling_args(t)
-    t.add_argument("--prompt", action="append", required=True, help="repeat for several prompts")
+    t.add_argument("--prompt", action="append", help="repeat for several prompts")
+    t.add_argument("--url", default=None, help="instead: save a running server's ledger (all its replicas)")
     t.add_argument("--concurrency", type=int, default=1, help="requests run together (prompts cycle)")
     t.add_argument("--chat", action="store_true", help="apply the model's chat template")
     t.add_argument("--out", required=True, help="directory for trace.json and report.html")

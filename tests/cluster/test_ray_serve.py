@@ -16,6 +16,7 @@ import pytest
 from raykit import on_loop
 from serverkit import MODEL, ServerThread
 
+from tokenhaul import cli
 from tokenhaul.bench import loadgen
 from tokenhaul.cluster.pool import ReplicaPool
 from tokenhaul.sampling_params import SamplingParams
@@ -139,7 +140,7 @@ def test_bench_serve_reports_each_replica(cluster):
     assert "\n0 " in table and "\n1 " in table and "\ntotal " in table and "prefix-cache misses" in table
 
 
-def test_ledger_gathers_step_records_from_every_replica(cluster):
+def test_ledger_gathers_step_records_from_every_replica(cluster, tmp_path, capsys):
     url, _, _ = cluster
     before = httpx.get(url + "/ledger").json()
     assert set(before["replicas"]) == {"0", "1"} and all(not r["step_records"] for r in before["replicas"].values())
@@ -162,6 +163,11 @@ def test_ledger_gathers_step_records_from_every_replica(cluster):
         assert "pid" in snap["where"] and snap["kv_bytes_per_token"] > 0
         assert snap["prefix_miss"]["tokens"] >= 2 * 20 * 3  # at least its two new prompts' tokens missed
     assert "duplicate_prefix_tokens" in after["routing"]
+    cli.main(["trace", "--url", url, "--out", str(tmp_path)])  # saved for `whatif --replay`, replicas named
+    saved = [json.loads(line) for line in (tmp_path / "steps.jsonl").read_text().splitlines()]
+    assert {rec["replica"] for rec in saved} == {"0", "1"} and any(rec["chunks"] for rec in saved)
+    printed = capsys.readouterr().out
+    assert "replica 0 (node" in printed and "replica 1 (node" in printed and "prefix misses" in printed
 
 
 def test_killed_replica_loses_no_unstreamed_request_and_comes_back(cluster):
