@@ -39,6 +39,8 @@ def test_serve_and_bench_cli():
         assert bench.returncode == 0, bench.stderr
         s = json.loads(bench.stdout)
         assert s["completed"] == 4 and s["output_tokens"] == 16 and s["goodput"] > 0
+        led = s["ledger"]["per_replica"]["0"]  # the in-process core keeps a ledger too, read by bench serve
+        assert led["engine_steps"] > 0 and led["prompt_tokens_computed"] > 0 and led["prefix_miss"]["kv_bytes"] > 0
         drain_with_streams_in_flight(proc, url)
     finally:
         if proc.poll() is None:

@@ -389,7 +389,7 @@ def benchmark(url: str, specs: list[PromptSpec], slo_ttft_ms: float | None = Non
         results, wall, model = await run_load(url, specs, **kw)
         s = summarize(results, wall, slo_ttft_ms, slo_tpot_ms, slo_e2e_ms, slo_itl_ms)
         after, led1 = await scrape_last_mile(url), await scrape_ledger(url)
-        if led0 and led1:
+        if led0 and led1 and led1["replicas"]:  # a server whose cores keep no ledger lists none
             per, total = ledger_figures(led0, led1)
             s["ledger"] = total | {"per_replica": per}
         s["model"] = model
