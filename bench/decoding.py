@@ -1,13 +1,15 @@
 """Decoding strategies side by side in one run: plain vs prompt lookup, Jacobi and a draft model.
 
-For each task (input-grounded: rewrite a given function, summarise a given passage; free generation)
-and each strategy: generated tokens/s end to end, decode tokens/s (after the first token: the prompt's
-prefill, the draft's included, is TTFT), tokens per target pass (generated ÷ target forward steps),
-drafts proposed / accepted, and the speed-up over plain decoding of the same model in the same run
-(end to end, and decode only). A batch sweep shows where verification stops being
-free. Greedy, EOS honoured, batch 1 unless said.
+For each task (input-grounded: rewrite a given function, summarise a given passage; free generation;
+code written from a description) and each strategy: generated tokens/s end to end, decode tokens/s
+(after the first token: the prompt's prefill, the draft's included, is TTFT), tokens per target pass
+(generated ÷ target forward steps), drafts proposed / accepted, and the speed-up over plain decoding
+of the same model in the same run (end to end, and decode only). SmolLM2 dense and packed for prompt
+lookup and Jacobi, with a batch sweep showing where verification stops being free; the Qwen2.5-Coder
+0.5B → 1.5B pair with the draft packed int4 (default), dense, and with a packed target. Greedy, EOS
+honoured, batch 1 unless said.
 
-    flock /tmp/tokenhaul-bench.lock .venv/bin/python bench/decoding.py
+    flock -x /tmp/tokenhaul-bench.lock .venv/bin/python bench/decoding.py
 """
 
 from __future__ import annotations
@@ -47,6 +49,8 @@ TASKS = {
     "rewrite function": f"Rewrite this Python function with type hints and a docstring. Keep the logic.\n\n{FUNCTION}",
     "summarise passage": f"Summarise this passage in a few sentences, reusing its words.\n\n{PASSAGE}",
     "free generation": "Write a short story about a fox who learns to play the violin.",
+    "write code": "Write a Python function that merges two sorted lists into one sorted list, with a docstring "
+                  "and a few asserts that test it.",
 }
 
 
@@ -80,14 +84,16 @@ def table(title: str, rows: list[tuple[str, str, dict]], base: dict[str, dict]) 
 
 def strategies(llm: LLM, specs: list[str], k: int, max_tokens: int, tasks: list[str]) -> None:
     rows, base = [], {}
+    for spec in ["off"] + specs:
+        run(llm, TASKS[tasks[0]], spec, k, 4)  # warm up
     for task in tasks:
-        run(llm, TASKS[task], "off", k, 4)  # warm up
         for spec in ["off"] + specs:
             r = run(llm, TASKS[task], spec, k, max_tokens)
             if spec == "off":
                 base[task] = r
             rows.append((task, spec, r))
-    draft = f" + draft {llm.config.draft_model}" if llm.config.draft_model else ""
+    c = llm.config
+    draft = f" + draft {c.draft_model} (quantization {c.draft_quant})" if c.draft_model else ""
     table(f"{llm.config.model}{draft} ({llm.config.dtype}, quantization {llm.config.quantization}), batch 1, "
           f"k={k}, max {max_tokens} tokens", rows, base)
 
@@ -104,25 +110,35 @@ def batch_sweep(llm: LLM, k: int, max_tokens: int, sizes: list[int]) -> None:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__)
     ap.add_argument("--threads", type=int, default=2)
-    ap.add_argument("--k", type=int, default=6)
+    ap.add_argument("--k", type=int, default=8, help="most drafts per step (k adapts below it)")
     ap.add_argument("--max-tokens", type=int, default=64)
-    ap.add_argument("--draft-max-tokens", type=int, default=32)
     ap.add_argument("--skip-draft", action="store_true")
+    ap.add_argument("--skip-smollm", action="store_true")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     common = dict(dtype="bf16", threads=args.threads, enable_prefix_caching=False, speculative_max_batch=64)
-    llm = LLM("smollm2-135m", quantization="none", **common)  # dense bf16: k+1 rows cost about one
-    strategies(llm, ["prompt_lookup", "jacobi"], args.k, args.max_tokens, list(TASKS))
-    batch_sweep(llm, args.k, 32, [1, 8])
-    del llm
-    llm = LLM("smollm2-135m", **common)  # default: packed int4 layers, whose cost grows with rows
-    strategies(llm, ["prompt_lookup"], args.k, args.max_tokens, ["summarise passage"])
-    del llm
+    if not args.skip_smollm:
+        llm = LLM("smollm2-135m", quantization="none", **common)  # dense bf16: k+1 rows cost about one
+        strategies(llm, ["prompt_lookup", "jacobi"], args.k, args.max_tokens,
+                   ["rewrite function", "summarise passage", "free generation"])
+        batch_sweep(llm, args.k, 32, [1, 8])
+        del llm
+        llm = LLM("smollm2-135m", **common)  # default: packed int4 layers, whose cost grows with rows
+        strategies(llm, ["prompt_lookup"], args.k, args.max_tokens, ["summarise passage"])
+        del llm
     if not args.skip_draft:
-        llm = LLM("qwen2.5-coder-1.5b", draft_model="qwen2.5-coder-0.5b", quantization="none", **common)
-        strategies(llm, ["draft", "prompt_lookup"], 4, args.draft_max_tokens, ["rewrite function", "free generation"])
-    print("\n(speed-up = strategy tok/s ÷ plain tok/s of the same model and task in this run; "
-          "same text = identical token ids to plain greedy)")
+        code = ["rewrite function", "write code"]
+        pair = dict(draft_model="qwen2.5-coder-0.5b", **common)
+        llm = LLM("qwen2.5-coder-1.5b", quantization="none", **pair)  # draft: packed int4 (the default)
+        strategies(llm, ["draft", "prompt_lookup"], args.k, args.max_tokens, code + ["free generation"])
+        del llm
+        llm = LLM("qwen2.5-coder-1.5b", quantization="none", draft_quantization="none", **pair)  # the old way
+        strategies(llm, ["draft"], args.k, args.max_tokens, code[:1])
+        del llm
+        llm = LLM("qwen2.5-coder-1.5b", quantization="int4", **pair)  # packed target: verify costs ~k steps
+        strategies(llm, ["draft"], args.k, args.max_tokens, code[:1])
+    print("\n(speed-up = strategy tok/s ÷ plain tok/s of the same model and task in this run; dec = after the "
+          "first token; same text = identical token ids to plain greedy)")
 
 
 if __name__ == "__main__":
