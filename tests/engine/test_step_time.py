@@ -30,13 +30,15 @@ def model() -> StepTimeModel:
     return StepTimeModel(KNOTS, VALUES, COEF)
 
 
-def test_shape_counts_blocks_and_pads_decodes_to_the_longest():
+def test_shape_counts_blocks_and_pads_decodes_to_the_longest_of_their_call():
     s = StepShape(block_size=16)
     s.add(19, 1, True)  # keys 0..19 → 2 blocks = 32 slots
-    s.add(40, 1, True)  # keys 0..40 → 3 blocks = 48 slots; the decode group is padded to 48
+    s.add(40, 1, True)  # keys 0..40 → 3 blocks = 48 slots; one call for both, padded to 48
     s.add(0, 10, False)  # a prefill chunk: 10 queries × 16 slots
-    assert (s.tokens, s.sampled, s.groups) == (12, 2, {1: (2, 48), 10: (1, 16)})
+    assert (s.tokens, s.sampled, s.calls()) == (12, 2, [(1, 2, 48), (10, 1, 16)])
     assert s.extra() == [2, 2, 2 * 48 + 10 * 16, 2 * 48 + 16]
+    far = s.with_chunk(1499, 1, True)  # a long context gets a call of its own instead of padding the others
+    assert far.calls() == [(1, 2, 48), (1, 1, 1504), (10, 1, 16)] and s.calls()[0] == (1, 2, 48)
     m = model()
     assert m.features(s)[:len(KNOTS)].tolist() == [0, 0, 0, 0.5, 0.5, 0, 0, 0, 0, 0]  # 12 = half-way 8 → 16
     assert m.base(s) == pytest.approx(6.5e-3 + np.dot(COEF, s.extra()))

@@ -7,6 +7,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from tokenhaul.engine.attention_calls import attention_calls
 from tokenhaul.engine.scheduler import ScheduledChunk, SchedulerOutput
 from tokenhaul.kv.cache import KVCache
 from tokenhaul.layers.attention import AttentionMetadata, AttnGroup
@@ -35,14 +36,13 @@ class ModelRunner:
         self.window = model.config.sliding_window
 
     def prepare(self, sched: SchedulerOutput) -> ModelInput:
-        """Group chunks by query length — all decodes in one attention call, all k+1-token verify
-        chunks in another, equal prefill chunks together — build metadata on the CPU, move once."""
+        """Split chunks into attention calls (engine/attention_calls.py: by query length, then by KV
+        length so short contexts are not padded to long ones), build metadata on the CPU, move once."""
         for src, dst in sched.block_copies:
             for cache in (self.kv, *self.mirrors):
                 cache.copy_block(src, dst)
-        by_len: dict[int, list[ScheduledChunk]] = {}
-        for c in sched.chunks:
-            by_len.setdefault(c.num_tokens, []).append(c)
+        bs = self.block_size
+        calls = attention_calls([(c.num_tokens, c.start + c.num_tokens) for c in sched.chunks], bs)
         ids: list[int] = []
         pos: list[int] = []
         groups: list[AttnGroup] = []
@@ -50,11 +50,11 @@ class ModelRunner:
         sample_rows: list[int] = []
         sample_chunks: list[ScheduledChunk] = []
         shapes: list[tuple[int, list[int]]] = []
-        single = len(by_len) == 1
-        bs = self.block_size
+        single = len(calls) == 1
         row = 0
-        for q_len in sorted(by_len):
-            chunks = by_len[q_len]
+        for call in calls:
+            chunks = [sched.chunks[i] for i in call]
+            q_len = chunks[0].num_tokens
             for c in chunks:
                 ids += c.request.token_slice(c.start, c.start + q_len)
                 pos += range(c.start, c.start + q_len)

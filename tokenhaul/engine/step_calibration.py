@@ -34,16 +34,23 @@ _GREEDY = SamplingParams(max_tokens=1, temperature=0.0)
 _memo: dict[str, StepTimeModel] = {}
 
 
+def grid_span(max_len: int) -> int:
+    """The longest key span the grid times (longer contexts extrapolate linearly)."""
+    return max(8, min(max_len, 1024))
+
+
 def calibration_grid(max_tokens: int, max_seqs: int, max_len: int) -> list[list[Chunk]]:
-    """Batches to time: decode batches at every knot of the token count (short keys) and at a few
-    long key spans, prefill chunks at every knot (at the start and half-way into the context), and
-    decodes mixed with a chunk."""
-    span = max(8, min(max_len, 1024))
+    """Batches to time: decode batches at every knot of the token count (short keys), at a few long
+    key spans and with mixed key spans (several attention calls), prefill chunks at every knot (at the
+    start and half-way into the context), and decodes mixed with a chunk."""
+    span = grid_span(max_len)
     knots = default_knots(max_tokens)
     seqs = min(max_seqs, max_tokens)
     short, mid, long = max(2, span // 32), max(2, span // 4), max(2, span * 3 // 4)
     grid: list[list[Chunk]] = [[(short - 1, 1, True)] * d for d in knots if d <= seqs]
     grid += [[(c - 1, 1, True)] * d for d in sorted({max(1, seqs // 8), max(1, seqs // 4)}) for c in (mid, long)]
+    d = max(2, seqs // 4)
+    grid += [[(short - 1 + (span - short) * i // (d - 1), 1, True) for i in range(d)]]  # spread: several calls
     grid += [[(0, n, False)] for n in knots if n >= 2]
     grid += [[(span // 2, n, True)] for n in sorted({max(2, max_tokens // 8), max_tokens}) if span // 2 + n <= span]
     d = max(1, seqs // 4)
@@ -108,13 +115,15 @@ def calibrate(core: EngineCore, repeats: int = 2) -> StepTimeModel:
 
 
 def calibration_key(core: EngineCore) -> str:
-    """Machine | torch | threads | model architecture | engine settings that change step time."""
+    """Machine | torch | threads | model architecture | grid span | engine settings that change step time."""
     skip = {"kv_memory_gib", "num_kv_blocks", "enable_prefix_caching", "itl_target_ms", "max_model_len"}
+    sc = core.scheduler.config
+    span = grid_span(min(sc.max_model_len, (core.pool.num_free - 1) * core.pool.block_size))
     settings = {k: v for k, v in dataclasses.asdict(core.config).items() if k not in skip}
     c = core.model.config
     model = (f"{c.arch} L{c.num_layers} h{c.hidden_size} ffn{c.ffn_size} heads{c.num_heads}/{c.num_kv_heads} "
              f"v{c.vocab_size}")
-    return (f"{cpu_model()} | torch {torch.__version__} | threads={torch.get_num_threads()} | {model} | "
+    return (f"{cpu_model()} | torch {torch.__version__} | threads={torch.get_num_threads()} | {model} | span {span} | "
             + json.dumps(settings, sort_keys=True))
 
 

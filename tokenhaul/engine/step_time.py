@@ -18,41 +18,56 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from tokenhaul.engine.attention_calls import split_by_length
+
 EXTRA = ("sampled", "groups", "qk_pairs", "kv_slots")
+VERSION = 2  # 2: attention calls split by KV length (engine/attention_calls.py); older fits are refused
 
 
 @dataclass
 class StepShape:
     """The cost-relevant shape of one step, built chunk by chunk as the scheduler plans it.
 
-    The runner runs chunks of equal length as one attention group padded to the group's longest
-    key span (all decodes together, all k+1-token verify chunks together); keys are read in whole
-    blocks."""
+    Attention calls are split as the runner splits them (engine/attention_calls.py): by query length,
+    then by KV length, each call padded to its longest member; keys are read in whole blocks."""
 
     block_size: int
     tokens: int = 0
     sampled: int = 0
-    groups: dict[int, tuple[int, int]] = field(default_factory=dict)  # query length → (chunks, longest key span)
+    lengths: dict[int, list[int]] = field(default_factory=dict)  # query length → KV length of each chunk
+    _calls: dict[int, tuple[int, int]] = field(default_factory=dict, repr=False, compare=False)  # memo of calls()
 
     def add(self, start: int, num_tokens: int, sampled: int) -> None:
         """Count a chunk computing positions [start, start + num_tokens) and sampling `sampled` rows; mutates self."""
-        kv = -(-(start + num_tokens) // self.block_size) * self.block_size
         self.tokens += num_tokens
         self.sampled += sampled
-        count, span = self.groups.get(num_tokens, (0, 0))
-        self.groups[num_tokens] = (count + 1, max(span, kv))
+        self.lengths.setdefault(num_tokens, []).append(start + num_tokens)
+        self._calls.pop(num_tokens, None)
 
     def with_chunk(self, start: int, num_tokens: int, sampled: int) -> StepShape:
         """A copy with one more chunk (self unchanged)."""
-        s = StepShape(self.block_size, self.tokens, self.sampled, dict(self.groups))
+        s = StepShape(self.block_size, self.tokens, self.sampled, {q: list(v) for q, v in self.lengths.items()},
+                      dict(self._calls))
         s.add(start, num_tokens, sampled)
         return s
 
+    def calls(self) -> list[tuple[int, int, int]]:
+        """(query length, members, padded key span) of each attention call, as the runner makes them."""
+        out = []
+        for q_len, lengths in sorted(self.lengths.items()):
+            if q_len not in self._calls:
+                runs = split_by_length(lengths, self.block_size, q_len)
+                self._calls[q_len] = tuple((len(r), -(-max(lengths[i] for i in r) // self.block_size)
+                                            * self.block_size) for r in runs)
+            out += [(q_len, members, span) for members, span in self._calls[q_len]]
+        return out
+
     def extra(self) -> list[float]:
         """The features beyond the token count, in EXTRA's order."""
-        qk = sum(q * count * span for q, (count, span) in self.groups.items())
-        slots = sum(count * span for count, span in self.groups.values())
-        return [self.sampled, len(self.groups), qk, slots]
+        calls = self.calls()
+        qk = sum(q * members * span for q, members, span in calls)
+        slots = sum(members * span for _, members, span in calls)
+        return [self.sampled, len(calls), qk, slots]
 
 
 def default_knots(max_tokens: int) -> list[int]:
@@ -125,11 +140,12 @@ class StepTimeModel:
         return cls(knots, sol[:len(knots)], sol[len(knots):], **kw)
 
     def to_dict(self) -> dict:
-        return {"extra": list(EXTRA), "knots": self.knots, "values": self.values.tolist(), "coef": self.coef.tolist()}
+        return {"extra": list(EXTRA), "version": VERSION, "knots": self.knots, "values": self.values.tolist(),
+                "coef": self.coef.tolist()}
 
     @classmethod
     def from_dict(cls, d: dict, **kw) -> StepTimeModel:
-        if d.get("extra") != list(EXTRA):
+        if d.get("extra") != list(EXTRA) or d.get("version") != VERSION:
             raise ValueError("step-time entry was fitted on other features")
         return cls(d["knots"], d["values"], d["coef"], **kw)
 

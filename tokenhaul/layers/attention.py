@@ -49,8 +49,8 @@ def _read(cache: torch.Tensor | Int8Blocks, g: AttnGroup, dtype: torch.dtype) ->
         if g.block_start is None:
             return cache.gather(g.block_table, dtype)
         return cache.blocks(g.block_start, g.block_start + g.block_table.shape[1], dtype)
-    if g.block_start is None:  # gather whole blocks into a contiguous copy
-        return cache[g.block_table]
+    if g.block_start is None:  # gather whole blocks into a contiguous copy (index_select: ~6x faster than [])
+        return cache.index_select(0, g.block_table.flatten())
     return cache[g.block_start:g.block_start + g.block_table.shape[1]]  # consecutive blocks: a view, no copy
 
 
@@ -67,16 +67,23 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     out = None if len(meta.groups) == 1 else q.new_empty(T, H * D)
     for g in meta.groups:
         qg = q if g.token_index is None else q[g.token_index]
-        qg = qg.view(g.batch, g.q_len, H, D).transpose(1, 2)
         kg, vg = _read(k_cache, g, q.dtype), _read(v_cache, g, q.dtype)
         kg = kg.reshape(g.batch, -1, Hkv, D).transpose(1, 2).to(q.dtype)  # [B, Hkv, L, D]
         vg = vg.reshape(g.batch, -1, Hkv, D).transpose(1, 2).to(q.dtype)
         mask = g.mask_local if sliding else g.mask
-        if meta.per_query:
-            o = _per_query_sdpa(qg, kg, vg, mask, scale)
+        if g.q_len == 1 and not meta.per_query:
+            # decodes: the H // Hkv query heads sharing a KV head become that head's queries — the same
+            # numbers, 3-5x faster than a one-query GQA call here (bench/decode_attention.py)
+            o = F.scaled_dot_product_attention(qg.view(g.batch, Hkv, H // Hkv, D), kg, vg, attn_mask=mask,
+                                               scale=scale)
+            o = o.reshape(g.batch, H * D)
         else:
-            o = F.scaled_dot_product_attention(qg, kg, vg, attn_mask=mask, scale=scale, enable_gqa=True)
-        o = o.transpose(1, 2).reshape(g.batch * g.q_len, H * D)
+            qg = qg.view(g.batch, g.q_len, H, D).transpose(1, 2)
+            if meta.per_query:
+                o = _per_query_sdpa(qg, kg, vg, mask, scale)
+            else:
+                o = F.scaled_dot_product_attention(qg, kg, vg, attn_mask=mask, scale=scale, enable_gqa=True)
+            o = o.transpose(1, 2).reshape(g.batch * g.q_len, H * D)
         if out is None:
             return o
         out[g.token_index] = o
