@@ -31,7 +31,7 @@ class TrafficCounter(TorchDispatchMode):
         out = func(*args, **(kwargs or {}))
         name = func.overloadpacket.__name__
         first = args[0] if args and isinstance(args[0], torch.Tensor) else None
-        if name == "index" and first is not None and _ptr(first) in (self.kv | {self.embed}):
+        if name in ("index", "index_select") and first is not None and _ptr(first) in (self.kv | {self.embed}):
             if _ptr(first) == self.embed:
                 self.weight_bytes += out.nbytes
             else:

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field, fields
 
+from tokenhaul.engine.attention_calls import attention_calls
 from tokenhaul.models.config import ModelConfig
 
 ID_BYTES = 8  # torch.long: token ids, positions, slots, row indices
@@ -178,17 +179,15 @@ def step_costs(mc: ModelCosts, chunks: list[tuple[int, int]], num_sampled: int,
 
     `attn_groups`: the attention calls the runner made, (query length, KV length of each sequence), as
     a StepRecord carries them. Without them (a step that never ran: the what-if model) they are derived
-    as runner.prepare groups: chunks of one query length form one group. Each group is padded to its
+    as runner.prepare makes them (engine/attention_calls.py). Each group is padded to its
     longest block table; attention gathers whole blocks of `block_size` slots, so keys are padded to a
     block boundary (and masked, but computed). `view_slots` of them (groups of one sequence with
     consecutive blocks) are read in place, not copied."""
     c = mc.config
     window = c.sliding_window
     if attn_groups is None:
-        by_len: dict[int, list[int]] = {}  # query length → chunk ends
-        for start, n in chunks:
-            by_len.setdefault(n, []).append(start + n)
-        attn_groups = list(by_len.items())
+        ends = [(n, start + n) for start, n in chunks]
+        attn_groups = [(ends[c[0]][0], [ends[i][1] for i in c]) for c in attention_calls(ends, block_size)]
     T = sum(n * len(ends) for n, ends in attn_groups)
     if T == 0:
         return StepCosts()
