@@ -43,11 +43,14 @@ class CoreLedger:
     # reading (any thread) -------------------------------------------------------------------------
     def snapshot(self, since: int | None = None, max_steps: int = 1024) -> dict[str, Any]:
         """Totals since start and, unless `since` is None, the step records with index > since (at
-        most `max_steps`, the latest) as dicts with their bytes, FLOPs and engine seconds."""
+        most `max_steps`, the latest) as dicts with their bytes, FLOPs and engine seconds. Only copies
+        are taken under the lock (the step thread waits for those alone, not for the conversion)."""
         with self._lock:
             lg = self.ledger
             p, d = lg.prefill, lg.decode
             entries = [] if since is None else [e for e in lg.steps if e.record.index > since][-max_steps:]
+            ttft = [r.ttft for r in lg.requests if r.ttft is not None]
+            itl = list(lg.itl)
             out = {
                 "steps": lg.num_steps,
                 "last_step": lg.steps[-1].record.index if lg.steps else -1,
@@ -63,12 +66,10 @@ class CoreLedger:
                 "kv_bytes_per_token": lg.costs.kv_bytes_per_token,
                 "finished_prompt_tokens": self.prompt_tokens,
                 "finished_cached_tokens": self.cached_tokens,
-                "ttft_ms": _pcts([r.ttft for r in lg.requests if r.ttft is not None]),  # core side
-                "itl_ms": _pcts(lg.itl),
             }
-            steps = [_step_dict(e) for e in entries]
+        out["ttft_ms"], out["itl_ms"] = _pcts(ttft), _pcts(itl)  # core side: arrival at the core → sampled
         out["prefix_miss"] = prefix_miss(out)
-        out["step_records"] = steps
+        out["step_records"] = [_step_dict(e) for e in entries]  # records and costs are not changed once logged
         return out
 
 
