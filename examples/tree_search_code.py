@@ -79,12 +79,11 @@ def main() -> None:
     llm = LLM(args.model)
     rows = []
     for prompt, check in TASKS:
-        t0, s0 = time.perf_counter(), llm.core.stats()
+        t0 = time.perf_counter()
         res = tree_search(llm, prompt, checker(prompt, check), levels=args.levels, width=args.width,
                           top_k=args.top_k, max_tokens=args.max_tokens, stop=STOP)
         first = next((i for i, r in enumerate(res.rollouts) if r.reward >= 0.5), None)
-        s1 = llm.core.stats()
-        shared = (s1.prefix_hit_tokens - s0.prefix_hit_tokens) / max(1, s1.prefix_query_tokens - s0.prefix_query_tokens)
+        shared = 1 - res.computed_prompt_tokens / max(1, res.prompt_tokens)
         rows.append((prompt.split("(")[0][4:], res.greedy.reward >= 0.5, res.best.reward >= 0.5,
                      "-" if first is None else str(first + 1), len(res.rollouts), shared, time.perf_counter() - t0))
         assert llm.core.pool.num_used == 0  # every rollout's KV blocks came back
@@ -94,7 +93,8 @@ def main() -> None:
     for name, g, s, first, n, shared, sec in rows:
         print(f"{name:<18}{'pass' if g else 'fail':>8}{'pass' if s else 'fail':>8}{first:>12}{n:>10}"
               f"{shared:>10.0%}{sec:>9.1f}")
-    print("KV reused: share of rollout prompt tokens (prompt + tree path) served from cached blocks")
+    print("KV reused: share of rollout prompt tokens (prompt + tree path) not computed: forked from the rollout "
+          "a branch leaves, or cached")
     g, s = sum(r[1] for r in rows), sum(r[2] for r in rows)
     print(f"\npassed: greedy {g}/{len(rows)}, tree search {s}/{len(rows)}")
 

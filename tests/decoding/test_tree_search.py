@@ -78,6 +78,7 @@ def test_branches_share_prefix_blocks_by_fork_and_every_block_comes_back():
     n_prompt = len(llm.encode(prompt))
     assert llm.batches == [1, 3, 3]
     assert llm.prompt_tokens == [n_prompt, 3, 3]  # each branch computed one token of its "prompt"
+    assert res.computed_prompt_tokens == n_prompt + 6 and res.prompt_tokens > 7 * n_prompt
     assert len(llm.shared) == 6
     for blocks in llm.shared:
         assert len(blocks) >= n_prompt // 4  # at least the prompt's full blocks

@@ -70,6 +70,8 @@ class SearchResult:
     rollouts: list[Rollout]
     levels: int
     root: Node
+    prompt_tokens: int = 0  # rollout prompt tokens (prompt + tree path), all levels
+    computed_prompt_tokens: int = 0  # of those, computed (the rest came from forked or cached blocks)
 
 
 class TreeSearch:
@@ -89,6 +91,7 @@ class TreeSearch:
         self._complete: list[Rollout] = []  # paths found complete on expansion (a stop token in the top-k)
         level = 0
         self._held: list[KVHolder] = []
+        self._tokens = [0, 0]  # rollout prompt tokens, computed ones
         try:
             for level in range(levels + 1):
                 leaves = [root] if level == 0 else self._select(root)
@@ -99,7 +102,8 @@ class TreeSearch:
             for h in self._held:
                 self.llm.core.release(h)
         rollouts += self._complete
-        return SearchResult(max(rollouts, key=lambda r: r.reward), rollouts[0], rollouts, level, root)
+        return SearchResult(max(rollouts, key=lambda r: r.reward), rollouts[0], rollouts, level, root,
+                            *self._tokens)
 
     # one level ---------------------------------------------------------------------------------
     def _select(self, root: Node) -> list[Node]:
@@ -146,6 +150,8 @@ class TreeSearch:
         self._held += held
         outs = self.llm.generate([ids + n.token_ids for n in leaves], params, keep_kv=held,
                                  fork_from=[n.parent.kv if n.parent else None for n in leaves])
+        self._tokens[0] += sum(len(ids) + len(n.token_ids) for n in leaves)
+        self._tokens[1] += outs[0].ledger.prompt_tokens
         rollouts = []
         for node, out, kv in zip(leaves, outs, held):
             node.kv = kv
