@@ -48,7 +48,10 @@ class EngineConfig:
         if self.device.startswith("cuda") and not torch.cuda.is_available():
             raise TokenhaulError("--device cuda requested but CUDA is not available")
         QuantSpec.parse(self.quantization)  # raises TokenhaulError on a bad value
-        QuantSpec.parse(self.draft_quant)
+        try:
+            QuantSpec.parse(self.draft_quant)
+        except TokenhaulError as e:
+            raise TokenhaulError(f"--draft-quantization: {e}") from None
         if self.block_size <= 0 or self.max_num_batched_tokens <= 0 or self.max_num_seqs <= 0:
             raise TokenhaulError("block_size, max_num_batched_tokens and max_num_seqs must be positive")
         if self.deterministic and self.sparsity:

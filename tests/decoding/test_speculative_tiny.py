@@ -158,5 +158,5 @@ def test_draft_quantization_default_is_int4_under_bf16_only():
     assert EngineConfig(dtype="bf16").draft_quant == "int4"
     assert EngineConfig(dtype="fp32").draft_quant == "auto"  # as --quantization: the exact fp32 path
     assert EngineConfig(dtype="bf16", draft_quantization="none").draft_quant == "none"
-    with pytest.raises(TokenhaulError, match="unknown quantization"):
+    with pytest.raises(TokenhaulError, match="--draft-quantization: unknown quantization 'int3'"):
         EngineConfig(draft_quantization="int3")
