@@ -5,13 +5,26 @@ from __future__ import annotations
 import os
 from typing import TYPE_CHECKING
 
-# OpenMP threads sleep instead of spinning between ops (read once, when torch loads). Measured on the
-# shared 2-core machine: with the default spin-wait a decode step ran ~50x slower while other processes
-# held the cores (profile: the int4 GEMV went from 94 us to 8.7 ms per call); see MACHINE.md. The
-# environment still wins: OMP_WAIT_POLICY=ACTIVE for a quiet, dedicated machine.
-os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
-from tokenhaul.sampling_params import SamplingParams
+def _openmp_wait() -> None:
+    """How OpenMP threads wait between ops (libgomp reads it once, when torch loads; the environment wins).
+    Measured, SmolLM2 int4 batch-1 decode, 2 threads (MACHINE.md): on idle cores a short spin
+    (GOMP_SPINCOUNT=10000) runs 74 tok/s, PASSIVE (sleep at once) 43 — each of ~500 parallel ops a token
+    pays a futex wake-up; with another process busy on a core the spin falls to 13 and PASSIVE holds 32.
+    So: spin briefly when the cores were idle over the last minute, sleep at once when they were not."""
+    if "OMP_WAIT_POLICY" in os.environ or "GOMP_SPINCOUNT" in os.environ:
+        return
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+    idle = hasattr(os, "getloadavg") and os.getloadavg()[0] < 0.5 * cores
+    if idle:
+        os.environ["GOMP_SPINCOUNT"] = "10000"
+    else:
+        os.environ["OMP_WAIT_POLICY"] = "PASSIVE"
+
+
+_openmp_wait()
+
+from tokenhaul.sampling_params import SamplingParams  # noqa: E402 - after the OpenMP choice
 
 if TYPE_CHECKING:
     from tokenhaul.llm import LLM
