@@ -10,10 +10,13 @@ from tokenhaul.layers.gguf_weight import GGUFWeight
 
 
 class Embedding:
-    """ids [T] → fp32 [T, hidden]. `weight` is the table one gather reads rows of (the ledger's count)."""
+    """ids [T] → [T, hidden] at `dtype` (the activation dtype: the residual stream starts here).
+    `weight` is the table one gather reads rows of (the ledger's count)."""
 
-    def __init__(self, table: torch.Tensor | GGUFWeight, device: torch.device) -> None:
+    def __init__(self, table: torch.Tensor | GGUFWeight, device: torch.device,
+                 dtype: torch.dtype = torch.float32) -> None:
         self.packed = isinstance(table, GGUFWeight)
+        self.dtype = dtype
         self.hidden = table.shape[1]
         if self.packed:
             self.qtype = table.qtype
@@ -33,6 +36,6 @@ class Embedding:
     def __call__(self, ids: torch.Tensor) -> torch.Tensor:
         rows = self.weight[ids]
         if not self.packed:
-            return rows.float()
+            return rows.to(self.dtype)
         out = dequantize(rows.cpu().numpy(), self.qtype).reshape(-1, self.hidden)
-        return torch.from_numpy(np.ascontiguousarray(out, dtype=np.float32)).to(self.weight.device)
+        return torch.from_numpy(np.ascontiguousarray(out, dtype=np.float32)).to(self.weight.device, self.dtype)

@@ -27,8 +27,9 @@ def register(name: str):
 
 
 class Linear:
-    """y = x @ W^T (+ b), returned in fp32. `tensors()` is what one pass reads from memory (the ledger's
-    count); `state()` / `from_state()` round-trip the converted weights through the on-disk cache."""
+    """y = x @ W^T (+ b), returned in x's dtype (bf16 in, bf16 out: no round trip). `tensors()` is what one
+    pass reads from memory (the ledger's count); `state()` / `from_state()` round-trip the converted weights
+    through the on-disk cache."""
 
     format: ClassVar[str]
     in_features: int
@@ -64,7 +65,8 @@ class Linear:
         return sum(t.nbytes for t in self.tensors())
 
     def _add_bias(self, y: torch.Tensor) -> torch.Tensor:
-        return y if self.bias is None else y + self.bias
+        """Adds the (fp32) bias in place: y keeps its dtype, no extra tensor."""
+        return y if self.bias is None else y.add_(self.bias)
 
 
 def make_linear(weight: torch.Tensor, bias: torch.Tensor | None = None, quantization: str = "none") -> Linear:

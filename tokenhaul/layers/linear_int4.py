@@ -89,16 +89,16 @@ class Int4Linear(Linear):
         return cls(weight.to(device), sz.to(device), group, n, k, b)
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        x = x.to(torch.bfloat16)
+        xb = x.to(torch.bfloat16)
         if self.max_rows is not None and x.shape[0] > self.max_rows and not self.cuda:
-            y = x @ self.dense_t()
+            y = xb @ self.dense_t()
         elif self.cuda:
-            y = torch.ops.aten._weight_int4pack_mm(x, self.weight, self.group, self.scales_zeros)
+            y = torch.ops.aten._weight_int4pack_mm(xb, self.weight, self.group, self.scales_zeros)
         else:
-            y = torch.ops.aten._weight_int4pack_mm_for_cpu(x, self.weight, self.group, self.scales_zeros)
+            y = torch.ops.aten._weight_int4pack_mm_for_cpu(xb, self.weight, self.group, self.scales_zeros)
         if y.shape[-1] != self.out_features:
             y = y[..., :self.out_features]
-        return self._add_bias(y.float())
+        return self._add_bias(y).to(x.dtype)
 
     def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
         """The weight the kernel multiplies by, [out, in] (CPU layout only)."""

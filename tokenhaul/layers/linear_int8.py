@@ -34,12 +34,12 @@ class Int8Linear(Linear):
         return cls(q.to(device), scale.to(device, torch.bfloat16), b)
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        x = x.to(torch.bfloat16)
+        xb = x.to(torch.bfloat16)
         if self.max_rows is not None and x.shape[0] > self.max_rows:
-            y = F.linear(x, self.dequantize(torch.bfloat16))
+            y = F.linear(xb, self.dequantize(torch.bfloat16))
         else:
-            y = torch.ops.aten._weight_int8pack_mm(x, self.weight, self.scales)
-        return self._add_bias(y.float())
+            y = torch.ops.aten._weight_int8pack_mm(xb, self.weight, self.scales)
+        return self._add_bias(y).to(x.dtype)
 
     def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
         """[out, in] at `dtype`: reads the int8 weight once and the scales once."""

@@ -73,7 +73,7 @@ class SparseLinear(Linear):
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         keep = x.abs() >= self.threshold
         if x.shape[0] > self.max_rows:
-            return self._add_bias(self._dense(torch.where(keep, x, 0)))
+            return self._add_bias(self._dense(torch.where(keep, x, 0))).to(x.dtype)
         if x.shape[0] == 1:  # batch-1 decode: fewer small ops
             cols = keep[0].nonzero().flatten()
             rows, offsets = torch.zeros_like(cols), cols.new_zeros(1)
@@ -92,7 +92,7 @@ class SparseLinear(Linear):
         else:
             y = F.embedding_bag(cols, self.rows, offsets, mode="sum",
                                 per_sample_weights=x[rows, cols].to(self.rows.dtype))
-        return self._add_bias(y.float())
+        return self._add_bias(y.float()).to(x.dtype)
 
     def _bags4(self, cols: torch.Tensor, w: torch.Tensor, j: torch.Tensor) -> torch.Tensor:
         idx = (cols.view(1, -1) * self.groups + j).flatten()  # group-major: bag j holds group j of each row

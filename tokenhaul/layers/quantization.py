@@ -107,7 +107,7 @@ class LinearFactory:
 
     def embedding(self, table: Part) -> Embedding:
         if isinstance(table, GGUFWeight) and not self.exact:
-            return Embedding(table, self.device)
+            return Embedding(table, self.device, self.dtype)
         if isinstance(table, GGUFWeight):
             table = table.dequantize()
-        return Embedding(table.to(self.dtype), self.device)
+        return Embedding(table.to(self.dtype), self.device, self.dtype)

@@ -29,6 +29,7 @@ class Gemma3Layer:
         self.post_attn_norm = RMSNorm(w[p + "post_attention_norm.weight"], eps)
         self.ffn_norm = RMSNorm(w[p + "ffn_norm.weight"], eps)
         self.post_ffn_norm = RMSNorm(w[p + "post_ffw_norm.weight"], eps)
+        self.next_norm = self.attn_norm  # the norm after this layer's residual: the next layer's (or the final)
         self.q_norm = RMSNorm(w[p + "attn_q_norm.weight"], eps)
         self.k_norm = RMSNorm(w[p + "attn_k_norm.weight"], eps)
 
@@ -41,30 +42,35 @@ class Gemma3Model:
         self.embed = make.embedding(w["token_embd.weight"])
         self.layers = [Gemma3Layer(cfg, w, i, make) for i in range(cfg.num_layers)]
         self.norm = RMSNorm(w["output_norm.weight"], cfg.norm_eps)
+        for layer, after in zip(self.layers, self.layers[1:]):
+            layer.next_norm = after.attn_norm
+        self.layers[-1].next_norm = self.norm
         self.lm_head: Linear = make.linear("output", [w.get("output.weight", self.embed.table)])
         dev = self.embed.device
-        self.rope_global = RotaryEmbedding(cfg.head_dim, max_model_len, cfg.rope_theta, dev)
-        self.rope_local = RotaryEmbedding(cfg.head_dim, max_model_len, cfg.rope_theta_local, dev)
+        act = self.embed.dtype
+        self.rope_global = RotaryEmbedding(cfg.head_dim, max_model_len, cfg.rope_theta, dev, act)
+        self.rope_local = RotaryEmbedding(cfg.head_dim, max_model_len, cfg.rope_theta_local, dev, act)
         self.scale = cfg.query_scale or cfg.head_dim ** -0.5
 
     def forward(self, input_ids: torch.Tensor, meta: AttentionMetadata, kv: KVCache) -> torch.Tensor:
-        """input_ids: [T] → final hidden states [T, hidden] (normed)."""
+        """input_ids: [T] → final hidden states [T, hidden] (normed), in the activation dtype throughout."""
         cfg = self.config
         T = input_ids.shape[0]
         h = self.embed(input_ids) * cfg.embed_scale
         tables = {False: self.rope_global.tables(meta.positions), True: self.rope_local.tables(meta.positions)}
+        x = self.layers[0].attn_norm(h)
         for i, layer in enumerate(self.layers):
             cos, sin = tables[layer.sliding]  # gathered once per step for each RoPE base
-            x = layer.attn_norm(h)
             q, k, v = layer.qkv(x).split([cfg.q_size, cfg.kv_size, cfg.kv_size], dim=-1)
             q = RotaryEmbedding.apply(layer.q_norm(q.view(T, cfg.num_heads, cfg.head_dim)), cos, sin)
             k = RotaryEmbedding.apply(layer.k_norm(k.view(T, cfg.num_kv_heads, cfg.head_dim)), cos, sin)
             v = v.view(T, cfg.num_kv_heads, cfg.head_dim)
-            a = paged_attention(q, k, v, kv.k[i], kv.v[i], meta, self.scale, sliding=layer.sliding)
-            h = h + layer.post_attn_norm(layer.o(a))
-            gate, up = layer.gate_up(layer.ffn_norm(h)).chunk(2, dim=-1)
-            h = h + layer.post_ffn_norm(layer.down(F.gelu(gate, approximate="tanh") * up))
-        return self.norm(h)
+            a = paged_attention(q.float(), k, v, kv.k[i], kv.v[i], meta, self.scale, sliding=layer.sliding)
+            a = a.to(h.dtype)  # fp32 queries, as in llama.py
+            h, x = layer.ffn_norm.add(h, layer.post_attn_norm(layer.o(a)))
+            gate, up = layer.gate_up(x).chunk(2, dim=-1)
+            h, x = layer.next_norm.add(h, layer.post_ffn_norm(layer.down(F.gelu(gate, approximate="tanh") * up)))
+        return x
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         logits = self.lm_head(hidden).float()
