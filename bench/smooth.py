@@ -3,7 +3,7 @@
 and against llama.cpp's server (xllamacpp) for reference. Same GGUF, same threads, greedy, EOS
 ignored (every request streams exactly --output-len tokens), one server at a time.
 
-    flock /tmp/tokenhaul-bench.lock .venv/bin/python bench/smooth.py --num-requests 48 --concurrency 24
+    flock -x /tmp/tokenhaul-bench.lock .venv/bin/python bench/smooth.py --num-requests 32 --concurrency 24
 
 `--targets 60,90,120` runs the budget-on server once per target (to choose the default by
 measurement). Ratios are on / off. The load generator shares the CPU with the server under test.
@@ -91,7 +91,7 @@ def main() -> None:
     ap.add_argument("--output-len", type=int, default=64)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--targets", default="default",
-                    help="comma-separated --itl-target-ms values for the budget-on runs ('default': 100)")
+                    help="comma-separated --itl-target-ms values for the budget-on runs ('default': 200)")
     ap.add_argument("--slo-ttft-ms", type=float, default=2000.0)
     ap.add_argument("--slo-itl-ms", type=float, default=150.0)
     ap.add_argument("--no-llamacpp", action="store_true")
@@ -105,7 +105,7 @@ def main() -> None:
           flush=True)
     runs = [("budget off", ("--itl-target-ms", "0"))]
     for t in args.targets.split(","):
-        runs.append(("budget on", ("--itl-target-ms", "100")) if t == "default" else
+        runs.append(("budget on", ("--itl-target-ms", "200")) if t == "default" else
                     (f"budget {t} ms", ("--itl-target-ms", t)))
     results: dict[str, dict] = {}
     for name, extra in runs:

@@ -42,6 +42,7 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                         "or cached (slower prefill, see bench/RESULTS.md)")
     p.add_argument("--itl-target-ms", type=float, default=0.0,
                    help="inter-token budget: prefill chunks are sized so a step's predicted time stays under it "
+                        "(or under 1.5x the decodes' own, if more) "
                         "(step times measured on this machine once, then cached); 0 = off (default: on this shared "
                         "machine it cost throughput and TTFT, bench/RESULTS.md 'Smooth streams')")
 

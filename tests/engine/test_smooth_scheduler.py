@@ -55,27 +55,23 @@ def in_decode(core: EngineCore) -> set[str]:
 
 
 def test_decodes_get_a_token_every_step_under_a_flood_of_long_prompts():
-    core = smooth_core(itl_target_ms=4.0)  # 2 ms + 20 tokens a step
+    core = smooth_core(itl_target_ms=3.0)  # 2 ms + 10 tokens a step, or 1.5x the decodes' time
     params = SamplingParams(max_tokens=30, temperature=0, ignore_eos=True)
     for i in range(4):
         core.add_request(f"chat{i}", prompt(i, 6), params)
-    core.step()
-    core.step()  # the budget admits 20 tokens a step: the fourth prompt finishes its prefill now
+    core.step()  # no decode yet, so no bound: all four prompts in one step
     assert in_decode(core) == {f"chat{i}" for i in range(4)}
     for i in range(8):
         core.add_request(f"long{i}", prompt(100 + i, 150), SamplingParams(max_tokens=4, temperature=0))
     budgets = []
     while core.has_unfinished():
         decoding = in_decode(core)
-        sched = core.scheduler
-        backlog = sum(r.num_tokens - r.num_computed_tokens for r in sched.waiting + sched.running
-                      if r.request_id not in decoding)
-        spread = min(-(-backlog // sched.config.prefill_horizon), CAP - len(decoding))
-        budgets.append(max(0.004, 2e-3 + 1e-4 * (len(decoding) + spread)))  # the backlog drains in ~12 slices
+        # the target, or 1.5x the decodes' predicted time if more (prefill keeps a share); none without decodes
+        budgets.append(max(0.003, 1.5 * (2e-3 + 1e-4 * len(decoding))) if decoding else 0.0)
         got = {d.request_id for d in core.step() if d.new_token_ids}
         assert decoding <= got, decoding - got
     assert [r.budget_s for r in core.observer.records[-len(budgets):]] == pytest.approx(budgets)
-    assert max(budgets) > 0.008  # the flood made the budget grow past the 4 ms target
+    assert max(budgets) > 0.0035  # the decodes made the budget grow past the 3 ms target
     mixed = [r for r in core.observer.records if any(n == 1 for *_, n in r.chunks) and any(n > 1 for *_, n in r.chunks)]
     assert len(mixed) > 20  # the long prompts really did run alongside the decodes
 
@@ -91,23 +87,26 @@ def test_steps_keep_to_budget_and_cap_and_record_them_and_output_is_unchanged(ti
     for r in records:
         tokens = sum(n for *_, n in r.chunks)
         prefill = [n for *_, n in r.chunks if n > 1]
-        assert r.budget_s >= 0.003
+        decodes = len(r.chunks) - len(prefill)
+        assert r.budget_s >= 0.003 if decodes else r.budget_s == 0  # no decode waiting: no bound
         assert r.predicted_s == pytest.approx(2e-3 + 1e-4 * tokens)
         assert tokens <= CAP
-        assert r.predicted_s <= r.budget_s + 1e-12 or len(prefill) == 1  # over only by the one forced chunk
+        if decodes:
+            assert r.predicted_s <= r.budget_s + 1e-12 or len(prefill) == 1  # over only by the one forced chunk
     assert core.scheduler.step_time.scale == 1.0  # alpha 0: the model stayed as given
 
 
 def test_trace_shows_budget_predicted_and_measured_per_step(tmp_path):
     core = smooth_core(itl_target_ms=3.0)
     core.observer = ledger = Ledger(ModelCosts.from_model(core.model, 4))
-    run_requests(core, [prompt(1, 40), prompt(2, 5)], SamplingParams(max_tokens=5, temperature=0, ignore_eos=True))
+    run_requests(core, [prompt(1, 40), prompt(2, 5)], SamplingParams(max_tokens=8, temperature=0, ignore_eos=True))
     ev = json.loads(write_trace(ledger, tmp_path / "trace.json").read_text())["traceEvents"]
     counters = [e for e in ev if e["ph"] == "C" and e["name"] == "step time (ms)"]
     assert len(counters) == ledger.num_steps > 5
     for e, step in zip(counters, ledger.steps):
         r = step.record
-        assert e["args"]["budget"] == pytest.approx(r.budget_s * 1e3) and e["args"]["budget"] >= 3.0
+        assert e["args"]["budget"] == pytest.approx(r.budget_s * 1e3)
+        assert e["args"]["budget"] >= 3.0 or not any(n == 1 for *_, n in r.chunks)  # 0: no decode, no bound
         assert e["args"]["predicted"] == pytest.approx(r.predicted_s * 1e3) and r.predicted_s > 0
         measured = r.stage_seconds["prepare"] + r.stage_seconds["forward"] + r.stage_seconds["sample"]
         assert e["args"]["measured"] == pytest.approx(measured * 1e3) and measured > 0
@@ -122,11 +121,11 @@ def test_the_core_refines_the_model_from_the_steps_it_times():
 
 
 def test_no_prompt_starves_when_decodes_alone_fill_the_budget():
-    """A budget below what the decodes alone take, and the backlog spread over ~forever: prefill still
-    moves min_prefill_chunk (16) tokens a step, first come first served, so prompt i finishes
-    within the steps its predecessors need."""
+    """A budget below what the decodes alone take, and no headroom over them: prefill still moves
+    min_prefill_chunk (16) tokens a step, first come first served, so prompt i finishes within the
+    steps its predecessors need."""
     core = smooth_core(itl_target_ms=1.0)
-    core.scheduler.config = dataclasses.replace(core.scheduler.config, prefill_horizon=10**9)
+    core.scheduler.config = dataclasses.replace(core.scheduler.config, decode_headroom=1.0)
     chat = SamplingParams(max_tokens=200, temperature=0, ignore_eos=True)
     for i in range(3):
         core.add_request(f"chat{i}", prompt(i, 5), chat)

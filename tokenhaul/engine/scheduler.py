@@ -5,16 +5,17 @@ later from the waiting queue. Token arithmetic only: KV goes through kv/manager.
 
 With an inter-token budget (`itl_target_s` and a step-time model) the step is stall-free in the manner
 of Sarathi-Serve: every running decode first, then prefill chunks in (priority, arrival) order, each
-as long as keeps the predicted step within the budget. Prompts are never starved however many
-decodes run: when the decodes alone leave too little room, the budget grows to what they take plus
-1/prefill_horizon of the prompt tokens still waiting (the backlog drains in about that many steps,
-in even slices instead of one stall), and the first prefill chunk of a step gets at least
-`min_prefill_chunk` tokens."""
+as long as keeps the predicted step within the budget. The budget is the target, or `decode_headroom`
+times the predicted time of the decodes alone if that is more: prefill always gets a share of every
+step in proportion to the decodes' (so a prompt is never starved however many decodes run), and no
+step takes more than that factor of a decode-only step (the stream's gaps stay even). A step with
+no decode has no one waiting for a token: its prefill fills the token cap."""
 
 from __future__ import annotations
 
 import bisect
 import heapq
+import math
 from dataclasses import dataclass, field
 
 from tokenhaul.engine.request import Request, Status
@@ -30,7 +31,7 @@ class SchedulerConfig:
     max_model_len: int = 8192
     itl_target_s: float = 0.0  # > 0 (with a step-time model): prefill chunks keep the predicted step under it
     min_prefill_chunk: int = 16  # tokens the first prefill chunk of a step gets however tight the budget
-    prefill_horizon: int = 12  # steps over which a prompt backlog the target leaves no room for is spread
+    decode_headroom: float = 1.5  # a step may take this many times its decodes' predicted time
 
 
 @dataclass
@@ -171,9 +172,9 @@ class Scheduler:
             self._add(out, chunk(req, req.num_tokens_with_drafts - req.num_computed_tokens))
             tokens -= out.chunks[-1].num_tokens
         partial = sorted((r for r in self.running if r.num_computed_tokens < r.num_tokens - 1), key=_key)
-        backlog = sum(r.num_tokens - r.num_computed_tokens for r in partial + self.waiting)
-        spread = min(-(-backlog // cfg.prefill_horizon), tokens)
-        out.budget_s = max(cfg.itl_target_s, model.predict(out.shape.with_chunk(0, spread, 0) if spread else out.shape))
+        decodes = model.predict(out.shape)
+        out.budget_s = max(cfg.itl_target_s, cfg.decode_headroom * decodes) if out.chunks else 0.0  # 0: no bound
+        limit = out.budget_s or math.inf
         admit = True
         first = True
         for req in heapq.merge(partial, list(self.waiting), key=_key):
@@ -188,7 +189,7 @@ class Scheduler:
             if waiting and req.num_preemptions == 0:
                 req.num_cached_tokens = start
             remaining = req.num_tokens - start
-            n = model.max_chunk(out.shape, start, remaining, tokens, out.budget_s)
+            n = model.max_chunk(out.shape, start, remaining, tokens, limit)
             if first:
                 n = max(n, min(remaining, tokens, cfg.min_prefill_chunk))
             if n == 0:

@@ -48,8 +48,8 @@ def calibration_grid(max_tokens: int, max_seqs: int, max_len: int) -> list[list[
     seqs = min(max_seqs, max_tokens)
     short, mid, long = max(2, span // 32), max(2, span // 4), max(2, span * 3 // 4)
     grid: list[list[Chunk]] = [[(short - 1, 1, True)] * d for d in knots if d <= seqs]
-    grid += [[(c - 1, 1, True)] * d for d in sorted({max(1, seqs // 8), max(1, seqs // 4)}) for c in (mid, long)]
-    d = max(2, seqs // 4)
+    grid += [[(c - 1, 1, True)] * d for d in sorted({max(1, seqs // 8), max(1, seqs // 4), seqs}) for c in (mid, long)]
+    d = max(2, seqs // 2)
     grid += [[(short - 1 + (span - short) * i // (d - 1), 1, True) for i in range(d)]]  # spread: several calls
     grid += [[(0, n, False)] for n in knots if n >= 2]
     grid += [[(span // 2, n, True)] for n in sorted({max(2, max_tokens // 8), max_tokens}) if span // 2 + n <= span]

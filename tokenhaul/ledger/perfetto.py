@@ -75,7 +75,7 @@ def trace_events(ledger: Ledger) -> list[dict]:
                    "args": {"weights": c.weight_bytes / 1e6, "kv": c.kv_bytes / 1e6,
                             "kv gather": c.kv_gather_bytes / 1e6, "activations": c.activation_bytes / 1e6,
                             "host↔device": (c.h2d_bytes + c.d2h_bytes) / 1e6}})
-        if r.budget_s:
+        if r.predicted_s:  # planned under an inter-token budget (budget 0: no decode waiting, no bound)
             measured = sum(r.stage_seconds.get(k, 0.0) for k in ("prepare", "forward", "sample"))
             ev.append({"ph": "C", "pid": ENGINE, "name": "step time (ms)", "ts": ts,
                        "args": {"budget": r.budget_s * 1e3, "predicted": r.predicted_s * 1e3,
