@@ -10,6 +10,7 @@ from __future__ import annotations
 import argparse
 import gc
 import json
+import os
 import platform
 import sys
 import time
@@ -57,6 +58,12 @@ def tokenhaul_row(llm: LLM, new: int, batches: list[int], bandwidth: float) -> d
     return row
 
 
+def openmp_wait() -> str:
+    """The wait policy tokenhaul chose at import (tokenhaul/__init__.py) or the environment set."""
+    spin = os.environ.get("GOMP_SPINCOUNT")
+    return f"GOMP_SPINCOUNT={spin}" if spin else f"OMP_WAIT_POLICY={os.environ.get('OMP_WAIT_POLICY', 'unset')}"
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__)
     ap.add_argument("--models", default="smollm2-135m,qwen2.5-coder-0.5b")
@@ -72,7 +79,8 @@ def main() -> None:
     roof = machine_roofline("cpu")
     result = {"date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "machine": platform.processor() or
               platform.machine(), "threads": args.threads, "torch": torch.__version__,
-              "bandwidth_gb_per_s": roof.bandwidth / 1e9, "quantization": args.quantization, "models": {}}
+              "bandwidth_gb_per_s": roof.bandwidth / 1e9, "quantization": args.quantization,
+              "openmp_wait": openmp_wait(), "models": {}}
     for model in args.models.split(","):
         llm = LLM(model, threads=args.threads, quantization=args.quantization, max_num_seqs=64,
                   max_num_batched_tokens=2048, enable_prefix_caching=False)
@@ -105,7 +113,8 @@ def main() -> None:
 def table(res: dict) -> str:
     cols = ["decode_1"] + [k for k in next(iter(res["models"].values()))["llama.cpp"] if k != "decode_1"]
     lines = [f"{res['date']}, {res['machine']}, {res['threads']} threads, torch {res['torch']}, "
-             f"quantization {res['quantization']}, calibrated read {res['bandwidth_gb_per_s']:.1f} GB/s "
+             f"quantization {res['quantization']}, OpenMP wait {res.get('openmp_wait', '?')}, "
+             f"calibrated read {res['bandwidth_gb_per_s']:.1f} GB/s "
              f"(tok/s; ratio = tokenhaul ÷ peer)", "",
              "| model | metric | tokenhaul | llama.cpp | ratio | transformers | ratio |",
              "|---|---|---|---|---|---|---|"]
