@@ -14,15 +14,26 @@ import asyncio
 from abc import ABC, abstractmethod
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any, Protocol
 
 from tokenhaul.engine.messages import AddRequest, CoreLimits, CoreOutputs, CoreStats
 
 if TYPE_CHECKING:  # the core loads torch; this module does not
-    from tokenhaul.engine.core import EngineCore
-    from tokenhaul.ledger.core_ledger import CoreLedger
+    from tokenhaul.engine.core import EngineCore, StepRecord
+    from tokenhaul.engine.request import Request
 
 OnOutputs = Callable[[CoreOutputs], None]
+
+
+class ReadableObserver(Protocol):
+    """A core's step observer (engine/core.py) the front end can read — ledger/core_ledger.py's
+    CoreLedger; plain dicts only."""
+
+    def on_step(self, record: StepRecord) -> None: ...
+
+    def on_finish(self, request: Request) -> None: ...
+
+    def snapshot(self, since: int | None = None) -> dict[str, Any]: ...
 
 
 @dataclass(frozen=True)
@@ -90,11 +101,11 @@ class EngineClient(ABC):
 
 class InProcessClient(EngineClient):
     """One EngineCore stepped by a CoreThread in this process (its own thread, or `run()`'s); with a
-    `ledger` (a CoreLedger) attached as the core's observer."""
+    `ledger` (a ReadableObserver, e.g. a CoreLedger) attached as the core's observer."""
 
     NAME = "0"
 
-    def __init__(self, core: EngineCore, ledger: CoreLedger | None = None) -> None:
+    def __init__(self, core: EngineCore, ledger: ReadableObserver | None = None) -> None:
         from tokenhaul.server.core_thread import CoreThread
 
         self.ledger = ledger
