@@ -69,7 +69,7 @@ class ModelCosts:
                     formats[fmt] = formats.get(fmt, 0) + 1
                     layer_bytes += v.weight_bytes
                     layer_params += v.in_features * v.out_features
-                elif name.endswith("norm"):
+                elif name.endswith("norm") and name != "next_norm":  # next_norm: another layer's, by reference
                     norm_bytes += v.weight.nbytes
         embed = model.embed  # packed or dense: a gather reads whole stored rows
         return cls(c, layer_bytes, model.lm_head.weight_bytes, embed.row_bytes,
