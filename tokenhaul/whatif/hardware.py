@@ -6,6 +6,7 @@ comment); `this-machine` is built from calibration (whatif/calibrate.py) instead
 from __future__ import annotations
 
 import tomllib
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -51,7 +52,10 @@ class Hardware:
     link_latency: float = 0.0  # seconds per collective step
     step_overhead: float = 0.0  # seconds per step (scheduling, launch, host work)
     layer_overhead: float = 0.0  # seconds per layer per step (kernel launches / op dispatch)
-    group_overhead: float = 0.0  # seconds per attention group per layer per step
+    group_overhead: float = 0.0  # seconds per decode attention call past the first, per layer per step
+    prefill_layer_overhead: float = 0.0  # more seconds per layer of a step with prompt chunks
+    prefill_call_overhead: float = 0.0  # more seconds per call of many queries (causal mask), per layer
+    gather_overhead: float = 0.0  # more seconds per call that gathers K/V of several sequences, per layer
     token_overhead: float = 0.0  # seconds per token per step (host-side batch building)
     kernel_bandwidth: dict[str, float] = field(default_factory=dict)  # share of tier bandwidth per format
     weight_only_flops: dict[str, float] = field(default_factory=dict)  # measured kernels for int8/int4 weights
@@ -61,6 +65,8 @@ class Hardware:
     pj_per_flop: float | None = None
     pim: PIM | None = None
     source: str = ""
+    # measured seconds of one linear call (format, out, in, rows) → s, None without a kernel (this-machine)
+    linear_times: Callable[[str, int, int, int], float | None] | None = field(default=None, compare=False)
 
     def linear_flops(self, fmt: str) -> float:
         """FLOP/s of a linear whose weights are stored as `fmt`. The engine's int8 / int4 are weight-only:
@@ -100,7 +106,11 @@ def from_dict(d: dict, name: str, source: str = "") -> Hardware:
                         tensor_parallel=int(d.get("tensor_parallel", 8)),
                         link_bandwidth=float(link.get("bandwidth", 0.0)), link_latency=float(link.get("latency", 0.0)),
                         step_overhead=float(over.get("step_s", 0.0)), layer_overhead=float(over.get("layer_s", 0.0)),
-                        group_overhead=float(over.get("group_s", 0.0)), token_overhead=float(over.get("token_s", 0.0)),
+                        group_overhead=float(over.get("group_s", 0.0)),
+                        gather_overhead=float(over.get("gather_s", 0.0)),
+                        prefill_call_overhead=float(over.get("prefill_call_s", 0.0)),
+                        prefill_layer_overhead=float(over.get("prefill_layer_s", 0.0)),
+                        token_overhead=float(over.get("token_s", 0.0)),
                         kernel_bandwidth={k: float(v) for k, v in d.get("kernel_bandwidth", {}).items()},
                         weight_only_flops={k: float(v) for k, v in d.get("weight_only_flops", {}).items()},
                         activation_bandwidth=float(d.get("activation_bandwidth", 0.0)),

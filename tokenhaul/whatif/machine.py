@@ -8,6 +8,7 @@ Cached beside the roofline calibration, keyed by CPU model, threads and device."
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import os
 import time
@@ -19,6 +20,7 @@ import torch.nn.functional as F
 
 from tokenhaul.whatif import calibrate as cal
 from tokenhaul.whatif.hardware import THIS_MACHINE, Hardware, from_dict
+from tokenhaul.whatif.kernels import LinearTimes
 
 FORMATS = ("bf16", "fp32")  # dense formats; packed ones (int8, int4) join where layers/linear registers them
 
@@ -153,10 +155,14 @@ def activation_bandwidth(repeats: int = 3) -> float:
 
 
 def engine_overheads(steps: int = 12) -> dict[str, float]:
-    """Per-step, per-layer, per-group-per-layer and per-token seconds of the engine itself, fitted on
-    step times of random bf16 models of 2 and 10 layers (hidden 64: kernels are negligible). Best
-    times, like every figure here: on a shared machine the least-disturbed run is the reproducible one."""
+    """Per-step, per-layer, per-attention-call-per-layer (more for a prefill or a gathered call), per-token
+    seconds of the engine itself, fitted on step times of random fp32 models of 2 and 10 layers (hidden 64), less
+    their linear calls (4 per layer and the lm_head): those are timed per shape (whatif/kernels.py).
+    fp32, because a tiny bf16 GEMM has a setup of ~40 µs that a real one pays too and the kernel curves
+    already hold. Best times, like every figure here: on a shared machine the least-disturbed run is
+    the reproducible one."""
     from tokenhaul.config import EngineConfig
+    from tokenhaul.engine.attention_calls import attention_calls
     from tokenhaul.engine.core import EngineCore
     from tokenhaul.models.config import ModelConfig
     from tokenhaul.models.llama import LlamaModel
@@ -173,17 +179,18 @@ def engine_overheads(steps: int = 12) -> dict[str, float]:
             for name, shape in (("attn_q", (64, 64)), ("attn_k", (32, 64)), ("attn_v", (32, 64)),
                                 ("attn_output", (64, 64)), ("ffn_gate", (96, 64)), ("ffn_up", (96, 64)),
                                 ("ffn_down", (64, 96))):
-                w[p + name + ".weight"] = torch.randn(*shape, generator=g).to(torch.bfloat16)
+                w[p + name + ".weight"] = torch.randn(*shape, generator=g)
             w[p + "attn_norm.weight"] = w[p + "ffn_norm.weight"] = torch.ones(64)
         model = LlamaModel(cfg, w, 1024)
-        core = EngineCore(EngineConfig(model="tiny", dtype="bf16", num_kv_blocks=512, block_size=16), model)
-        for batch, prompt, step in ((1, 4, 0), (1, 8, 0), (16, 8, 0), (4, 48, 4), (4, 48, 4), (4, 48, 4)):
+        core = EngineCore(EngineConfig(model="tiny", dtype="fp32", num_kv_blocks=512, block_size=16), model)
+        for batch, prompt, step in ((1, 4, 0), (1, 8, 0), (16, 8, 0), (4, 48, 4), (4, 48, 4), (2, 8, 992)):
             params = SamplingParams(max_tokens=steps + 1, temperature=0, ignore_eos=True)
-            lengths = [prompt + step * r for r in range(batch)]  # unequal lengths: one attention call each
+            lengths = [prompt + step * r for r in range(batch)]  # unequal prompts: one attention call each
+            # (8 and 1000 tokens: their decodes are split into two calls)
             for r, n in enumerate(lengths):
                 core.add_request(f"c{next(ids)}", [(r * 7 + j) % 90 + 1 for j in range(n)], params)
             t = time.perf_counter()
-            core.step()  # the prefill: one group per distinct prompt length
+            core.step()  # the prefill
             pre = time.perf_counter() - t
             dec = []
             while core.has_unfinished():
@@ -192,12 +199,23 @@ def engine_overheads(steps: int = 12) -> dict[str, float]:
                 dec.append(time.perf_counter() - t)
             if prompt == 4:  # the first run warms up
                 continue
-            groups = len(set(lengths))
-            for row, t in (((1, layers, layers * groups, sum(lengths)), pre), ((1, layers, layers, batch), min(dec))):
+            rows = [([(n, n) for n in lengths], pre)] if max(lengths) < 100 else []  # long prompts: attention-bound
+            for chunks, t in rows + [([(1, n + 1) for n in lengths], min(dec))]:
+                calls = attention_calls(chunks, 16)
+                gathered = sum(len(c) > 1 for c in calls)
+                prefill_calls = sum(chunks[c[0]][0] > 1 for c in calls)
+                row = (1, layers, layers * max(0, len(calls) - prefill_calls - 1), layers * bool(prefill_calls),
+                       layers * prefill_calls, layers * gathered, sum(q for q, _ in chunks))
                 best[row] = min(t, best.get(row, t))  # repeated configurations: the best time
-    sol, *_ = np.linalg.lstsq(np.array(list(best), dtype=float), np.array(list(best.values())), rcond=None)
-    step_s, layer_s, group_s, token_s = (max(0.0, float(x)) for x in sol)
-    return {"step_s": step_s, "layer_s": layer_s, "group_s": group_s, "token_s": token_s}
+    a, t = np.array(list(best), dtype=float), np.array(list(best.values()))
+    sol, *_ = np.linalg.lstsq(a / t[:, None], np.ones_like(t), rcond=None)  # relative: short steps weigh as much
+    # group: one decode call more; prefill_step: a step with prompt chunks; prefill_call: each such call
+    step_s, layer_s, group_s, prefill_step_s, prefill_s, gather_s, token_s = (float(x) for x in sol)
+    lin, x = make_linear("fp32", torch.randn(96, 64, generator=g)), torch.randn(1, 64, generator=g)
+    call = _best(lambda: [lin(x) for _ in range(100)], 5) / 100  # one tiny linear call, counted by the curves
+    return {"step_s": max(0.0, step_s - call), "layer_s": max(0.0, layer_s - 4 * call), "group_s": max(0.0, group_s),
+            "prefill_layer_s": max(0.0, prefill_step_s), "prefill_call_s": max(0.0, prefill_s),
+            "gather_s": max(0.0, gather_s), "token_s": max(0.0, token_s)}
 
 
 def measure_profile() -> dict:
@@ -229,4 +247,5 @@ def this_machine(remeasure: bool = False, root: Path | None = None) -> Hardware:
     if entry is None or not set(available_formats()) <= set(entry["flops"]) | set(entry.get("weight_only_flops", {})):
         entry = measure_profile()
         cal.store_entry(key, entry, root)
-    return from_dict(entry, THIS_MACHINE, str(cal.calibration_path(root)))
+    hw = from_dict(entry, THIS_MACHINE, str(cal.calibration_path(root)))
+    return dataclasses.replace(hw, linear_times=LinearTimes(available_formats(), root, remeasure))

@@ -11,9 +11,11 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 
+from tokenhaul.engine.attention_calls import attention_calls
 from tokenhaul.errors import TokenhaulError
 from tokenhaul.ledger.costs import ModelCosts, StepCosts, step_costs
 from tokenhaul.whatif.hardware import Hardware
+from tokenhaul.whatif.kernels import layer_shapes
 
 
 @dataclass(frozen=True)
@@ -132,9 +134,18 @@ class StepModel:
         if pim and "gemv" in pim.ops and decode_only and T <= pim.gemv_max_rows:
             self._pim(st, linear_flops + head_flops, sc.weight_bytes)
         else:
-            self._op(st, linear_flops, self.flops_rate, sc.weight_bytes - mc.lm_head_bytes * bool(num_sampled),
-                     w_share, eff)
-            self._op(st, head_flops, self.flops_rate, mc.lm_head_bytes * bool(num_sampled), w_share, eff)
+            layer_bytes, head_bytes = sc.weight_bytes - mc.lm_head_bytes * bool(num_sampled), mc.lm_head_bytes
+            measured = self._measured_linears(T, num_sampled)
+            if measured is None:
+                self._op(st, linear_flops, self.flops_rate, layer_bytes, w_share, eff)
+                self._op(st, head_flops, self.flops_rate, head_bytes * bool(num_sampled), w_share, eff)
+            else:
+                head_bytes *= bool(num_sampled)
+                for flops, nbytes, (seconds, gemv) in zip((linear_flops, head_flops), (layer_bytes, head_bytes),
+                                                          measured):
+                    st.flops += flops
+                    part, _ = self._memory(st, nbytes, w_share, eff)
+                    st.charge(part if seconds < 1.5 * gemv else "compute", seconds)
         kv_bytes = sc.kv_read_bytes + sc.kv_write_bytes + sc.kv_copy_bytes
         if pim and "attention" in pim.ops and decode_only:
             self._pim(st, attn_flops, kv_bytes)
@@ -145,11 +156,32 @@ class StepModel:
         elementwise = sc.activation_bytes + sc.logits_bytes
         st.charge("memory:activations", elementwise / (hw.activation_bandwidth or self._fastest_bw()))
         self._interconnect(st, T)
-        groups = len({n for _, n in chunks})  # attention calls: the runner groups chunks by query length
-        st.charge("overhead", hw.step_overhead + T * hw.token_overhead
-                  + c.num_layers * (hw.layer_overhead + groups * hw.group_overhead))
+        calls = attention_calls([(n, start + n) for start, n in chunks], self.block_size)  # as the runner splits
+        gathered = sum(len(call) > 1 for call in calls)
+        prefill_calls = sum(chunks[call[0]][1] > 1 for call in calls)
+        st.charge("overhead", hw.step_overhead + T * hw.token_overhead + c.num_layers * (
+            hw.layer_overhead + max(0, len(calls) - prefill_calls - 1) * hw.group_overhead
+            + bool(prefill_calls) * hw.prefill_layer_overhead + prefill_calls * hw.prefill_call_overhead
+            + gathered * hw.gather_overhead))
         st.energy_j = self._energy(st)
         return st
+
+    def _measured_linears(self, rows: int, sampled: int) -> tuple[tuple[float, float], ...] | None:
+        """(seconds, seconds at one row) of the layers' linears over `rows` rows and of the lm_head over
+        `sampled` rows, from kernels timed on this machine; None where the profile has none (or the
+        weights are sparse or split over chips: then the roofline)."""
+        timer, c = self.hw.linear_times, self.costs.config
+        if timer is None or self.placement.chips != 1 or self.costs.sparsity:
+            return None
+        shapes = layer_shapes(c)
+        head = (c.vocab_size, c.hidden_size)
+        parts = []
+        for n, rows_ in (([(s, c.num_layers) for s in shapes], rows), ([(head, 1)], sampled)):
+            times = [(timer(self.fmt, o, i, max(rows_, 1)), timer(self.fmt, o, i, 1), k) for (o, i), k in n]
+            if any(t is None for t, _, _ in times):
+                return None
+            parts.append((sum(t * k for t, _, k in times) * bool(rows_), sum(g * k for _, g, k in times) * bool(rows_)))
+        return tuple(parts)
 
     def _pim(self, st: StepTime, flops: float, nbytes: float) -> None:
         """An op run inside memory: internal bandwidth and in-memory FLOP/s; nothing crosses the bus."""
