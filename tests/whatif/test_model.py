@@ -103,3 +103,26 @@ def test_weight_only_formats_multiply_in_bf16_unless_measured():
     assert gpu.linear_flops("int8") == gpu.linear_flops("int4") == 1e15  # W8A16 / W4A16: bf16 math
     cpu = Hardware("c", "c", (Tier("DRAM", 8e9, 2e10),), {"bf16": 9e10}, weight_only_flops={"int4": 3e10})
     assert cpu.linear_flops("int4") == 3e10 and cpu.linear_flops("int8") == 9e10
+
+
+def test_measured_linear_times_replace_the_roofline():
+    """this-machine times each linear shape at a number of rows (whatif/kernels.py): a decode of 4 rows
+    costs the 4 layer linears (qkv 3072x1024, o, gate+up 8192x1024, down) and the lm_head at 1 row."""
+    calls = []
+
+    def timer(fmt, out, in_, rows):
+        calls.append((fmt, out, in_, rows))
+        return 1e-3 * rows
+
+    st = model(hw([Tier("DRAM", 1e12, HUGE)], linear_times=timer)).step([(0, 1), (16, 1), (32, 1), (48, 1)], 1)
+    assert {(o, i) for _, o, i, _ in calls} == {(3072, 1024), (1024, 1024), (8192, 1024), (1024, 4096), (1000, 1024)}
+    assert st.parts["compute"] == pytest.approx(4 * 4e-3)  # 4x their one-row time: compute-bound
+    assert st.parts["memory:DRAM"] == pytest.approx(1e-3)  # the lm_head's one row: as a GEMV, memory-bound
+
+
+def test_kernel_curves_interpolate_between_measured_rows():
+    from tokenhaul.whatif.kernels import interpolate
+
+    curve = [(1, 1.0), (8, 2.0), (64, 9.0)]
+    assert interpolate(curve, 1) == 1.0 and interpolate(curve, 4) == pytest.approx(1 + 3 / 7)
+    assert interpolate(curve, 128) == pytest.approx(9.0 + 7.0 * 64 / 56)  # extended from the last two
