@@ -21,7 +21,7 @@ import numpy as np
 from tokenhaul.engine.attention_calls import split_by_length
 
 EXTRA = ("sampled", "groups", "qk_pairs", "kv_slots")
-VERSION = 2  # 2: attention calls split by KV length (engine/attention_calls.py); older fits are refused
+VERSION = 3  # 2: attention calls split by KV length; 3: decodes attend in the cache dtype. Older fits are refused
 
 
 @dataclass
