@@ -154,13 +154,26 @@ def activation_bandwidth(repeats: int = 3) -> float:
     return nbytes / _best(layer, repeats)
 
 
+def _linear_seconds(model, rows: int, sampled: int, memo: dict) -> float:
+    """Seconds of a step's linear calls in a Llama model: each layer's 4 at `rows`, the lm_head at `sampled`."""
+    layer = model.layers[0]
+    total = 0.0
+    for n, lins, times in ((rows, (layer.qkv, layer.o, layer.gate_up, layer.down), len(model.layers)),
+                           (sampled, (model.lm_head,), 1)):
+        key = (n, lins)
+        if key not in memo:
+            xs = [torch.randn(n, lin.in_features) for lin in lins]
+            memo[key] = _best(lambda lins=lins, xs=xs: [lin(x) for _ in range(10) for lin, x in zip(lins, xs)], 3) / 10
+        total += times * memo[key]
+    return total
+
+
 def engine_overheads(steps: int = 12) -> dict[str, float]:
     """Per-step, per-layer, per-attention-call-per-layer (more for a prefill or a gathered call), per-token
-    seconds of the engine itself, fitted on step times of random fp32 models of 2 and 10 layers (hidden 64), less
-    their linear calls (4 per layer and the lm_head): those are timed per shape (whatif/kernels.py).
-    fp32, because a tiny bf16 GEMM has a setup of ~40 µs that a real one pays too and the kernel curves
-    already hold. Best times, like every figure here: on a shared machine the least-disturbed run is
-    the reproducible one."""
+    seconds of the engine itself, fitted on step times of random fp32 models of 2 and 10 layers (hidden
+    64), less their linear calls (4 per layer and the lm_head, timed alone at the step's rows): those are
+    timed per real shape (whatif/kernels.py). Best times, like every figure here: on a shared machine the
+    least-disturbed run is the reproducible one."""
     from tokenhaul.config import EngineConfig
     from tokenhaul.engine.attention_calls import attention_calls
     from tokenhaul.engine.core import EngineCore
@@ -183,6 +196,7 @@ def engine_overheads(steps: int = 12) -> dict[str, float]:
             w[p + "attn_norm.weight"] = w[p + "ffn_norm.weight"] = torch.ones(64)
         model = LlamaModel(cfg, w, 1024)
         core = EngineCore(EngineConfig(model="tiny", dtype="fp32", num_kv_blocks=512, block_size=16), model)
+        memo: dict = {}
         for batch, prompt, step in ((1, 4, 0), (1, 8, 0), (16, 8, 0), (4, 48, 4), (4, 48, 4), (2, 8, 992)):
             params = SamplingParams(max_tokens=steps + 1, temperature=0, ignore_eos=True)
             lengths = [prompt + step * r for r in range(batch)]  # unequal prompts: one attention call each
@@ -201,6 +215,7 @@ def engine_overheads(steps: int = 12) -> dict[str, float]:
                 continue
             rows = [([(n, n) for n in lengths], pre)] if max(lengths) < 100 else []  # long prompts: attention-bound
             for chunks, t in rows + [([(1, n + 1) for n in lengths], min(dec))]:
+                t -= _linear_seconds(model, sum(q for q, _ in chunks), batch, memo)
                 calls = attention_calls(chunks, 16)
                 gathered = sum(len(c) > 1 for c in calls)
                 prefill_calls = sum(chunks[c[0]][0] > 1 for c in calls)
@@ -211,9 +226,7 @@ def engine_overheads(steps: int = 12) -> dict[str, float]:
     sol, *_ = np.linalg.lstsq(a / t[:, None], np.ones_like(t), rcond=None)  # relative: short steps weigh as much
     # group: one decode call more; prefill_step: a step with prompt chunks; prefill_call: each such call
     step_s, layer_s, group_s, prefill_step_s, prefill_s, gather_s, token_s = (float(x) for x in sol)
-    lin, x = make_linear("fp32", torch.randn(96, 64, generator=g)), torch.randn(1, 64, generator=g)
-    call = _best(lambda: [lin(x) for _ in range(100)], 5) / 100  # one tiny linear call, counted by the curves
-    return {"step_s": max(0.0, step_s - call), "layer_s": max(0.0, layer_s - 4 * call), "group_s": max(0.0, group_s),
+    return {"step_s": max(0.0, step_s), "layer_s": max(0.0, layer_s), "group_s": max(0.0, group_s),
             "prefill_layer_s": max(0.0, prefill_step_s), "prefill_call_s": max(0.0, prefill_s),
             "gather_s": max(0.0, gather_s), "token_s": max(0.0, token_s)}
 
