@@ -4,6 +4,9 @@ throughput over a grid (models × quantizations × batch sizes × context length
     flock /tmp/tokenhaul-bench.lock python bench/whatif_error.py
     flock /tmp/tokenhaul-bench.lock python bench/whatif_error.py --device cuda   # where a GPU exists
 
+Run it on quiet cores and without OMP_WAIT_POLICY / GOMP_SPINCOUNT in the environment (or with the
+same ones as the runs to be predicted): the calibration measures whatever wait policy is in force.
+
 Measured: the real engine's ledger (prefill: tokens / seconds of prefill steps; TPOT: median decode step,
 engine stages). Predicted: whatif.workload.predict from the model's config alone (no weights read) on
 the `this-machine` profile measured at the start of the run. Prints one row per point and the MAPE."""
