@@ -3,6 +3,7 @@ makes exactly the calls the step-time model counts, and greedy output does not d
 
 from __future__ import annotations
 
+import torch
 from tiny_models import tiny_model
 
 from tokenhaul.config import EngineConfig
@@ -11,6 +12,7 @@ from tokenhaul.engine.core import EngineCore
 from tokenhaul.engine.request import Request
 from tokenhaul.engine.scheduler import SchedulerOutput, chunk
 from tokenhaul.engine.step_time import StepShape
+from tokenhaul.layers.attention import AttentionMetadata, AttnGroup, paged_attention
 from tokenhaul.sampling_params import SamplingParams
 
 
@@ -82,3 +84,31 @@ def test_greedy_tokens_do_not_depend_on_what_else_runs():
 
     together = run(prompts)
     assert together == [run([p])[0] for p in prompts]
+
+
+def test_a_decode_row_has_the_same_bits_alone_padded_or_batched():
+    """bf16 cache, fp32 queries (as the models hand them): a decode's attention output does not depend
+    on the other sequences of its call nor on how far its keys are padded."""
+    g = torch.Generator().manual_seed(0)
+    H, HKV, D, BS = 9, 3, 64, 16
+    lengths = [50, 300, 700, 1500, 90]
+    k_cache = torch.randn(512, BS, HKV, D, generator=g).bfloat16()
+    v_cache = torch.randn(512, BS, HKV, D, generator=g).bfloat16()
+    q = torch.randn(len(lengths), H, D, generator=g)
+    tables = [list(range(1 + 100 * i, 1 + 100 * i + -(-n // BS))) for i, n in enumerate(lengths)]
+
+    def attend(rows: list[int]) -> torch.Tensor:
+        nb = max(len(tables[i]) for i in rows)
+        table = torch.tensor([(tables[i] + [0] * nb)[:nb] for i in rows])
+        pos = torch.tensor([lengths[i] - 1 for i in rows])
+        mask = (torch.arange(nb * BS)[None, :] <= pos[:, None])[:, None, None, :]
+        slots = torch.tensor([tables[i][(lengths[i] - 1) // BS] * BS + (lengths[i] - 1) % BS for i in rows])
+        meta = AttentionMetadata(pos, slots, [AttnGroup(len(rows), 1, None, table, mask, mask)], len(rows))
+        k_new = k_cache.view(-1, HKV, D)[slots].clone()  # rewrite what is there: the cache stays the same
+        v_new = v_cache.view(-1, HKV, D)[slots].clone()
+        return paged_attention(q[rows], k_new, v_new, k_cache, v_cache, meta, D ** -0.5, sliding=False)
+
+    together = attend(list(range(len(lengths))))
+    for i in range(len(lengths)):
+        assert torch.equal(attend([i])[0], together[i])
+        assert torch.equal(attend([i, 3])[0], together[i])  # padded to the 1500-token context
