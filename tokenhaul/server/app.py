@@ -131,7 +131,7 @@ def build_app(engine: AsyncEngine, options: ServerOptions | None = None, manage_
     async def metrics() -> Response:
         return Response(engine.metrics.render(), media_type=CONTENT_TYPE)
 
-    @app.get("/ledger")
+    @app.get("/ledger", responses={400: _ERRORS[400]})
     async def ledger(since: int | None = None) -> dict[str, Any]:
         """Every engine replica's ledger, gathered now: totals since start, what its prefix-cache misses
         cost, and (with `since`) its step records after that step index, each naming its replica."""
