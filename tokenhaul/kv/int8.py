@@ -49,7 +49,10 @@ class Int8Blocks:
 
     def gather(self, block_table: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
         """Blocks of a [batch, n] table, dequantized: [batch, n, block_size, Hkv, D]."""
-        return dequantize(self.data[block_table], self.scale[block_table], dtype)
+        idx = block_table.flatten()  # index_select: ~6x faster than [] indexing here (layers/attention.py)
+        shape = (*block_table.shape, *self.data.shape[1:])
+        data, scale = self.data.index_select(0, idx).view(shape), self.scale.index_select(0, idx).view(shape[:-1])
+        return dequantize(data, scale, dtype)
 
     def blocks(self, start: int, end: int, dtype: torch.dtype) -> torch.Tensor:
         """Consecutive blocks start..end, dequantized: [end - start, block_size, Hkv, D]."""
