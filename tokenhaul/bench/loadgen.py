@@ -190,16 +190,21 @@ async def run_load(url: str, specs: list[PromptSpec], model: str | None = None, 
         return list(results), time.perf_counter() - t0, model
 
 
+async def _get(url: str, path: str, timeout: float) -> httpx.Response | None:
+    """GET a path of the server at `url`; None when it cannot be reached."""
+    try:
+        async with httpx.AsyncClient(timeout=timeout) as c:
+            return await c.get(base_url(url) + path)
+    except httpx.HTTPError:
+        return None
+
+
 async def scrape_last_mile(url: str) -> dict[str, float] | None:
     """Sums from tokenhaul's /metrics (None if the server has no such metrics)."""
     from prometheus_client.parser import text_string_to_metric_families
 
-    try:
-        async with httpx.AsyncClient(timeout=10.0) as c:
-            r = await c.get(base_url(url) + "/metrics")
-    except httpx.HTTPError:
-        return None
-    if r.status_code != 200 or "tokenhaul_last_mile_seconds" not in r.text:
+    r = await _get(url, "/metrics", 10.0)
+    if r is None or r.status_code != 200 or "tokenhaul_last_mile_seconds" not in r.text:
         return None
     out = {"detokenize": 0.0, "frame": 0.0, "tokens": 0.0, "hit": 0.0, "query": 0.0}
     prefix = {"tokenhaul_prefix_cache_hit_tokens_total": "hit", "tokenhaul_prefix_cache_query_tokens_total": "query"}
@@ -216,12 +221,8 @@ async def scrape_last_mile(url: str) -> dict[str, float] | None:
 
 async def scrape_ledger(url: str) -> dict[str, Any] | None:
     """tokenhaul's /ledger (totals per replica, no step records); None if the server has none."""
-    try:
-        async with httpx.AsyncClient(timeout=30.0) as c:
-            r = await c.get(base_url(url) + "/ledger")
-    except httpx.HTTPError:
-        return None
-    return r.json() if r.status_code == 200 else None
+    r = await _get(url, "/ledger", 30.0)
+    return r.json() if r is not None and r.status_code == 200 else None
 
 
 _COUNTERS = ("steps", "prompt_tokens_computed", "generated_tokens", "recomputed_tokens", "finished_prompt_tokens",
