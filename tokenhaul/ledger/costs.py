@@ -56,6 +56,7 @@ class ModelCosts:
         c = model.config
         layer_bytes = layer_params = 0
         norm_bytes = model.norm.weight.nbytes
+        norms = {id(model.norm)}
         formats = {getattr(model.lm_head, "format", "dense"): 1}
         sparse: dict[int, int] = {}  # max_rows → row bytes
         sparsity = 0.0
@@ -69,7 +70,8 @@ class ModelCosts:
                     formats[fmt] = formats.get(fmt, 0) + 1
                     layer_bytes += v.weight_bytes
                     layer_params += v.in_features * v.out_features
-                elif name.endswith("norm") and name != "next_norm":  # next_norm: another layer's, by reference
+                elif name.endswith("norm") and id(v) not in norms:  # a norm shared by reference counts once
+                    norms.add(id(v))
                     norm_bytes += v.weight.nbytes
         embed = model.embed  # packed or dense: a gather reads whole stored rows
         return cls(c, layer_bytes, model.lm_head.weight_bytes, embed.row_bytes,
