@@ -11,10 +11,10 @@ import httpx
 import pytest
 from serverkit import ServerThread, script_engine, wait_idle
 
+from tokenhaul.engine.core_thread import CoreThread
 from tokenhaul.engine.messages import AddRequest, CoreOutputs
 from tokenhaul.sampling_params import SamplingParams
 from tokenhaul.server.app import EngineDied, build_app, serve
-from tokenhaul.server.core_thread import CoreThread
 
 POISON = 4242  # a prompt holding this token id makes the scripted model's forward raise
 GREEDY = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)

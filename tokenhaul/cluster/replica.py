@@ -49,9 +49,9 @@ class EngineReplica:
         threading.Thread(target=self._load_and_run, name="tokenhaul-core", daemon=True).start()
 
     def _load_and_run(self) -> None:
+        from tokenhaul.engine.core_thread import CoreThread
         from tokenhaul.ledger.core_ledger import CoreLedger
         from tokenhaul.llm import LLM
-        from tokenhaul.server.core_thread import CoreThread
 
         try:
             llm = LLM(self._model, **self._kwargs)  # as `tokenhaul serve` loads it: same quantization, draft, ...

@@ -106,7 +106,7 @@ class InProcessClient(EngineClient):
     NAME = "0"
 
     def __init__(self, core: EngineCore, ledger: ReadableObserver | None = None) -> None:
-        from tokenhaul.server.core_thread import CoreThread
+        from tokenhaul.engine.core_thread import CoreThread
 
         self.ledger = ledger
         if ledger is not None:

@@ -20,7 +20,7 @@ from tokenhaul.engine.core import EngineCore
 from tokenhaul.engine.messages import AbortRequest, AddRequest, CoreOutputs
 from tokenhaul.errors import CapacityError, TokenhaulError
 
-log = logging.getLogger("tokenhaul.server")
+log = logging.getLogger("tokenhaul.engine")
 
 
 class CoreThread:
