@@ -32,7 +32,7 @@ from tokenhaul.whatif.workload import Workload, predict, schedule
 
 def measure(llm: LLM, batch: int, context: int, new_tokens: int, seed: int, repeats: int) -> tuple[float, float]:
     """(prefill tokens/s, decode step seconds) of batches of distinct random prompts: the best of
-    `repeats` runs (up to 5 while a point takes under 3 s) for prefill and the fastest decode step of the
+    `repeats` runs (up to 6 while a point has taken under 6 s) for prefill and the fastest decode step of the
     whole batch (engine stages), as calibration takes best times — on a shared machine the
     least-disturbed figure is the reproducible one."""
     g = torch.Generator().manual_seed(seed)
@@ -40,7 +40,7 @@ def measure(llm: LLM, batch: int, context: int, new_tokens: int, seed: int, repe
     params = SamplingParams(max_tokens=new_tokens, temperature=0, ignore_eos=True)
     prefill, decode = 0.0, float("inf")
     t0, runs = time.perf_counter(), 0
-    while runs < repeats or (runs < 5 and time.perf_counter() - t0 < 3.0):  # short points: more samples
+    while runs < repeats or (runs < 6 and time.perf_counter() - t0 < 6.0):  # short points: more samples
         runs += 1
         prompts = [torch.randint(100, min(vocab, 30000), (context,), generator=g).tolist() for _ in range(batch)]
         ledger = llm.generate(prompts, params)[0].ledger
@@ -74,7 +74,7 @@ def main() -> None:
     ap.add_argument("--batches", default="1,4,8")
     ap.add_argument("--contexts", default="16,64,192")
     ap.add_argument("--new-tokens", type=int, default=8)
-    ap.add_argument("--repeats", type=int, default=2)
+    ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--device", default="cpu")
     ap.add_argument("--json", default=None, help="also write every point to this file")
     args = ap.parse_args()
