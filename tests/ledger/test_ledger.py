@@ -5,10 +5,12 @@ from __future__ import annotations
 
 import ast
 import json
+import os
 import re
 from pathlib import Path
 
 import pytest
+import torch
 
 from tokenhaul.ledger.findings import findings, four_costs, moved, stage_shares
 from tokenhaul.ledger.ledger import Ledger, percentile
@@ -109,6 +111,11 @@ def test_summary_and_findings(ledger_core):
     assert sum(stage_shares(ledger).values()) > 0
     assert "waiting on data" in fs[0].answer and "of ITL" in fs[2].answer
     assert text_report(ledger, ROOF).count("\n") >= 10
+    # the wait policy the engine ran under (tokenhaul/__init__.py or the environment) is on record
+    wait = os.environ.get("GOMP_SPINCOUNT") and f"GOMP_SPINCOUNT={os.environ['GOMP_SPINCOUNT']}"
+    wait = wait or f"OMP_WAIT_POLICY={os.environ.get('OMP_WAIT_POLICY', 'unset')}"
+    assert s["host"] == {"threads": torch.get_num_threads(), "openmp_wait": wait}
+    assert f"OpenMP wait {wait}" in text_report(ledger, ROOF)
 
 
 def test_moved():

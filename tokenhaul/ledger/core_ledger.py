@@ -66,6 +66,7 @@ class CoreLedger:
                 "kv_bytes_per_token": lg.costs.kv_bytes_per_token,
                 "finished_prompt_tokens": self.prompt_tokens,
                 "finished_cached_tokens": self.cached_tokens,
+                "host": dict(lg.host),
             }
         out["ttft_ms"], out["itl_ms"] = _pcts(ttft), _pcts(itl)  # core side: arrival at the core → sampled
         out["prefix_miss"] = prefix_miss(out)

@@ -14,8 +14,11 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
+import torch
+
 from tokenhaul.engine.core import StepRecord
 from tokenhaul.engine.request import Request
+from tokenhaul.host import openmp_wait
 from tokenhaul.ledger.costs import ModelCosts, StepCosts, step_costs
 
 if TYPE_CHECKING:  # the ledger is handed a roofline; it never imports whatif at run time
@@ -109,6 +112,8 @@ class Ledger:
         self.costs = costs
         self._roofline = roofline  # called when a reading needs this machine's limits and none is passed
         self.t0 = time.perf_counter()
+        # how this process runs its ops: a step's time depends on the OpenMP wait policy as much as on a kernel
+        self.host = {"threads": torch.get_num_threads(), "openmp_wait": openmp_wait()}
         self.steps: deque[StepEntry] = deque(maxlen=max_steps)
         self.tokens: deque[TokenEvent] = deque(maxlen=max_tokens)
         self.requests: deque[RequestSpan] = deque(maxlen=max_requests)  # finished
@@ -308,6 +313,7 @@ class Ledger:
             "rejected_bytes": self.rejected_bytes,
             "rejected_seconds": self.rejected_seconds,
             "kv_blocks_peak": self.kv_blocks_peak,
+            "host": dict(self.host),
             "calibration": {"bandwidth_gb_per_s": roof.bandwidth / 1e9, "gflop_per_s": roof.peak_flops / 1e9,
                             "key": roof.key},
         }

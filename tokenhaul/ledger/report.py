@@ -26,7 +26,8 @@ COLORS = {"schedule": "#9e9e9e", "prepare": "#ffb74d", "forward": "#1976d2", "sa
 def text_report(ledger: Ledger, roof: Roofline | None = None) -> str:
     roof = roof or ledger.roofline()
     lines = [ledger.short_line(roof), f"machine: {roof.key}: {roof.bandwidth / 1e9:.1f} GB/s read, "
-             f"{roof.peak_flops / 1e9:.0f} GFLOP/s fp32 GEMM"]
+             f"{roof.peak_flops / 1e9:.0f} GFLOP/s fp32 GEMM; ran on {ledger.host['threads']} threads, OpenMP wait "
+             f"{ledger.host['openmp_wait']}"]
     for i, f in enumerate(findings(ledger, roof), 1):
         lines.append(f"{i}. {f.question}\n   {f.answer}")
     return "\n".join(lines)
