@@ -96,3 +96,22 @@ def test_commit_caches_only_computed_full_blocks():
     assert kv.match(t) == 8 and t.block_ids == [0, 1]
     kv.free(t)
     assert pool.num_free == 11
+
+
+def test_rewind_into_own_cached_block_copies_it():
+    """A request rewound into a full block it registered (beam / tree search roll back past it) gets a
+    private copy: the cached block still holds the tokens the prefix cache matches it by."""
+    kv, pool = manager()
+    s = Seq(list(range(9)))
+    kv.allocate_slots(s, 9)
+    s.num_computed_tokens = 9
+    kv.commit(s)  # blocks 0, 1 cached, held by s alone (ref 1)
+    s.num_computed_tokens = 6
+    kv.truncate(s, 6)
+    s.all_token_ids = list(range(6)) + [70, 71]
+    assert kv.allocate_slots(s, 2) == [(1, 3)] and s.block_ids == [0, 3]
+    kv.free(s)
+    t = Seq(list(range(9)) + [50])
+    assert kv.match(t) == 8 and t.block_ids == [0, 1]  # the cached block 1 was never written
+    kv.free(t)
+    assert pool.num_free == 11

@@ -71,10 +71,14 @@ class BlockPool:
                 else:
                     self._free.append(b)
 
+    def is_shared(self, block: int) -> bool:
+        """Another holder may read it: more than one reference, or its content is in the prefix cache."""
+        return self.ref[block] > 1 or block in self._hash_of
+
     def copy_on_write(self, block: int) -> int:
         """Return a block safe to write: `block` itself if unshared, else a fresh copy target (the
         caller copies the data and uses the returned id; one reference on `block` is dropped)."""
-        if self.ref[block] == 1 and block not in self._hash_of:
+        if not self.is_shared(block):
             return block
         (new,) = self.allocate(1)
         self.free([block])

@@ -69,14 +69,16 @@ class KVManager:
 
     def allocate_slots(self, req: KVOwner, num_new: int, lookahead: int = 0) -> list[tuple[int, int]] | None:
         """Make slots [0, computed + num_new + lookahead) writable for `req`: new blocks at the tail and
-        a private copy of any shared block among those written from `computed` on. Returns the
+        a private copy of any shared block (held twice, or in the prefix cache: a request rewound into
+        its own cached block must not overwrite what the cache promises) among those written from
+        `computed` on. Returns the
         (src, dst) block copies the runner must make first, or None — changing nothing — when the
         pool is short (the caller preempts or waits)."""
         bs = self.block_size
         end = req.num_computed_tokens + num_new + lookahead
         first = req.num_computed_tokens // bs
         shared = [i for i in range(first, min(len(req.block_ids), self.blocks_for(end)))
-                  if self.pool.ref[req.block_ids[i]] > 1]
+                  if self.pool.is_shared(req.block_ids[i])]
         need = max(0, self.blocks_for(end) - len(req.block_ids))
         if need + len(shared) > self.pool.num_free:
             return None
