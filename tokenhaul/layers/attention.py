@@ -12,6 +12,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from tokenhaul.kv import int8_attention
 from tokenhaul.kv.int8 import Int8Blocks
 
 
@@ -59,7 +60,8 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                     meta: AttentionMetadata, scale: float, sliding: bool) -> torch.Tensor:
     """q: [T, H, D]; k, v: [T, Hkv, D]; caches: [num_blocks, block_size, Hkv, D].
     Writes the step's K/V into their slots, then gathers whole blocks per sequence. Returns [T, H*D].
-    Int8 caches (kv/int8.py) quantize on write and dequantize the step's blocks on read."""
+    Int8 caches (kv/int8.py) quantize on write; decodes read them with kv/int8_attention.py's kernel (no
+    float copy), prefill chunks dequantize the step's blocks on read."""
     Hkv = k_cache.shape[2]
     _write(k_cache, meta.slot_mapping, k)
     _write(v_cache, meta.slot_mapping, v)
@@ -68,30 +70,45 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     for g in meta.groups:
         qg = q if g.token_index is None else q[g.token_index]
         fold = g.q_len == 1 and not meta.per_query
-        # decodes run in the cache's float dtype: no converted copy of the keys, and the folded bf16 kernel
-        # is ~2x faster than fp32 here and gives a row the same bits alone, padded or batched (fp32 does not)
-        dt = k_cache.dtype if fold and isinstance(k_cache, torch.Tensor) else q.dtype
-        kg, vg = _read(k_cache, g, dt), _read(v_cache, g, dt)
-        kg = kg.reshape(g.batch, -1, Hkv, D).transpose(1, 2).to(dt)  # [B, Hkv, L, D]
-        vg = vg.reshape(g.batch, -1, Hkv, D).transpose(1, 2).to(dt)
         mask = g.mask_local if sliding else g.mask
-        if fold:
-            # the H // Hkv query heads sharing a KV head become that head's queries — the same numbers,
-            # 3-5x faster than a one-query GQA call here (bench/decode_attention.py)
-            o = F.scaled_dot_product_attention(qg.reshape(g.batch, Hkv, H // Hkv, D).to(dt), kg, vg, attn_mask=mask,
-                                               scale=scale)
+        if fold and isinstance(k_cache, Int8Blocks) and int8_attention.available():
+            # int8 decodes read the int8 blocks through the table, scales applied inside: no float copy
+            o = int8_attention.decode_int8(qg.view(g.batch, Hkv, H // Hkv, D), k_cache.data, k_cache.scale,
+                                           v_cache.data, v_cache.scale, g.block_table, mask, scale)
             o = o.reshape(g.batch, H * D).to(q.dtype)
         else:
-            qg = qg.view(g.batch, g.q_len, H, D).transpose(1, 2)
-            if meta.per_query:
-                o = _per_query_sdpa(qg, kg, vg, mask, scale)
-            else:
-                o = F.scaled_dot_product_attention(qg, kg, vg, attn_mask=mask, scale=scale, enable_gqa=True)
-            o = o.transpose(1, 2).reshape(g.batch * g.q_len, H * D)
+            o = _sdpa(qg, g, k_cache, v_cache, mask, scale, fold, meta.per_query)
         if out is None:
             return o
         out[g.token_index] = o
     return out
+
+
+def _sdpa(qg: torch.Tensor, g: AttnGroup, k_cache: torch.Tensor | Int8Blocks, v_cache: torch.Tensor | Int8Blocks,
+          mask: torch.Tensor | None, scale: float, fold: bool, per_query: bool) -> torch.Tensor:
+    """One group through torch's SDPA over its blocks read as float (a view, a gathered copy, or dequantized)."""
+    H, D = qg.shape[1:]
+    Hkv = k_cache.shape[2]
+    # decodes run in the cache's float dtype: no converted copy of the keys, and the folded bf16 kernel
+    # is ~2x faster than fp32 here and gives a row the same bits alone, padded or batched (fp32 does not)
+    dt = k_cache.dtype if fold and isinstance(k_cache, torch.Tensor) else qg.dtype
+    kg, vg = _read(k_cache, g, dt), _read(v_cache, g, dt)
+    kg = kg.reshape(g.batch, -1, Hkv, D).transpose(1, 2).to(dt)  # [B, Hkv, L, D]
+    vg = vg.reshape(g.batch, -1, Hkv, D).transpose(1, 2).to(dt)
+    if fold:
+        # the H // Hkv query heads sharing a KV head become that head's queries — the same numbers,
+        # 3-5x faster than a one-query GQA call here (bench/decode_attention.py)
+        qf = qg.reshape(g.batch, Hkv, H // Hkv, D).to(dt)
+        o = F.scaled_dot_product_attention(qf, kg, vg, attn_mask=mask, scale=scale).reshape(g.batch, H * D)
+        o = o.to(qg.dtype)
+    else:
+        qg = qg.view(g.batch, g.q_len, H, D).transpose(1, 2)
+        if per_query:
+            o = _per_query_sdpa(qg, kg, vg, mask, scale)
+        else:
+            o = F.scaled_dot_product_attention(qg, kg, vg, attn_mask=mask, scale=scale, enable_gqa=True)
+        o = o.transpose(1, 2).reshape(g.batch * g.q_len, H * D)
+    return o
 
 
 def _per_query_sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None,

@@ -1,0 +1,88 @@
+"""The int8 decode-attention kernel (kv/int8_attention.py) against the same attention computed in fp32 from
+the dequantized cache: same math, so the stated tolerance is fp32 rounding (1e-5 of max|v|); and a row's
+bits do not depend on the batch it is in or the thread count."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from tokenhaul.kv import int8_attention
+from tokenhaul.kv.int8 import dequantize, quantize
+
+pytestmark = pytest.mark.skipif(not int8_attention.available(), reason="no C++ compiler for the int8 kernel")
+
+
+def _cache(n_blocks: int, bs: int, hkv: int, d: int, g: torch.Generator):
+    k, v = torch.randn(n_blocks, bs, hkv, d, generator=g) * 2, torch.randn(n_blocks, bs, hkv, d, generator=g)
+    (kd, ks), (vd, vs) = quantize(k), quantize(v)
+    return kd, ks, vd, vs
+
+
+def _reference(q, kd, ks, vd, vs, table, mask, scale):
+    """Dequantize the table's blocks to fp32 and run torch's SDPA: what the kernel must equal."""
+    B, nb = table.shape
+    hkv, d = kd.shape[2], kd.shape[3]
+    k = dequantize(kd[table], ks[table]).reshape(B, -1, hkv, d).transpose(1, 2)
+    v = dequantize(vd[table], vs[table]).reshape(B, -1, hkv, d).transpose(1, 2)
+    return F.scaled_dot_product_attention(q.float(), k, v, attn_mask=mask, scale=scale)
+
+
+@pytest.mark.parametrize("hkv,groups,d", [(3, 3, 64), (2, 7, 64), (1, 4, 256), (2, 2, 40)])
+def test_kernel_equals_dequantized_sdpa(hkv, groups, d):
+    """Shuffled block tables, contexts across the thread-chunk boundary (32 blocks), causal and
+    sliding-window masks, padded rows; head dims with and without the 8-wide path."""
+    g = torch.Generator().manual_seed(d + groups)
+    bs, nb = 16, 40
+    lengths = [1, 17, 300, 640]
+    B = len(lengths)
+    kd, ks, vd, vs = _cache(B * nb + 1, bs, hkv, d, g)
+    table = (torch.randperm(B * nb, generator=g) + 1).view(B, nb)
+    q = torch.randn(B, hkv, groups, d, generator=g)
+    pos = torch.tensor(lengths)[:, None] - 1
+    keys = torch.arange(nb * bs)[None, :]
+    for mask in ((keys <= pos), (keys <= pos) & (keys > pos - 100)):
+        mask = mask.view(B, 1, 1, -1)
+        out = int8_attention.decode_int8(q, kd, ks, vd, vs, table, mask, d ** -0.5)
+        ref = _reference(q, kd, ks, vd, vs, table, mask, d ** -0.5)
+        assert out.shape == ref.shape and out.dtype == torch.float32
+        assert float((out - ref).abs().max()) < 1e-5 * float(vd.abs().max() * vs.max())
+    full = int8_attention.decode_int8(q, kd, ks, vd, vs, table, None, d ** -0.5)
+    assert torch.allclose(full, _reference(q, kd, ks, vd, vs, table, None, d ** -0.5), atol=1e-5, rtol=1e-4)
+
+
+def test_row_bits_independent_of_batch_and_threads():
+    """Same request at temperature 0 → same numbers whatever else is batched: a row alone (table cut to
+    its own blocks), in a padded batch, and on one thread are bit-identical."""
+    g = torch.Generator().manual_seed(1)
+    bs, nb, hkv, groups, d = 16, 70, 3, 3, 64
+    kd, ks, vd, vs = _cache(2 * nb + 1, bs, hkv, d, g)
+    table = (torch.randperm(2 * nb, generator=g) + 1).view(2, nb)
+    q = torch.randn(2, hkv, groups, d, generator=g)
+    lengths = torch.tensor([700, 1100])
+    mask = (torch.arange(nb * bs)[None, :] < lengths[:, None]).view(2, 1, 1, -1)
+    batched = int8_attention.decode_int8(q, kd, ks, vd, vs, table, mask, 0.125)
+    own = -(-700 // bs)
+    alone = int8_attention.decode_int8(q[:1], kd, ks, vd, vs, table[:1, :own], mask[:1, ..., :own * bs], 0.125)
+    assert torch.equal(batched[:1], alone)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        assert torch.equal(int8_attention.decode_int8(q, kd, ks, vd, vs, table, mask, 0.125), batched)
+    finally:
+        torch.set_num_threads(threads)
+
+
+def test_compiled_graph_can_call_the_kernel():
+    """Registered as a torch op with a fake implementation: torch.compile traces through it."""
+    g = torch.Generator().manual_seed(2)
+    kd, ks, vd, vs = _cache(9, 16, 3, 64, g)
+    table = torch.arange(1, 9).view(1, 8)
+    q = torch.randn(1, 3, 3, 64, generator=g)
+
+    def step(q):
+        return int8_attention.decode_int8(q * 2, kd, ks, vd, vs, table, None, 0.125) + 1
+
+    compiled = torch.compile(step, backend="eager", fullgraph=True)
+    assert torch.equal(compiled(q), step(q))

@@ -1,0 +1,223 @@
+// Decode attention straight from an int8 paged KV cache (tokenhaul/kv/int8_attention.py builds this).
+//
+// One query group per (sequence, KV head): the G query heads sharing a KV head read each key once. Keys
+// and values stay int8 in the cache; each 16-key block is converted to fp32 in an L1 buffer on the way in
+// and its per-token scale is applied to the score (K) or the softmax weight (V), so no full-precision
+// copy of the cache is ever written. Keys are split into chunks across threads (online softmax per chunk,
+// merged at the end), so a single sequence still uses every thread.
+#include <torch/extension.h>
+#include <ATen/Parallel.h>
+
+#include <algorithm>
+#include <cmath>
+#include <limits>
+#include <vector>
+
+#ifdef __AVX2__
+#include <immintrin.h>
+
+// exp of 8 floats (Cephes polynomial, as avx_mathfun's exp256_ps): relative error ~2e-7.
+static inline __m256 exp8(__m256 x) {
+  x = _mm256_max_ps(_mm256_min_ps(x, _mm256_set1_ps(88.3762626647949f)), _mm256_set1_ps(-88.3762626647949f));
+  __m256 fx = _mm256_floor_ps(_mm256_fmadd_ps(x, _mm256_set1_ps(1.44269504088896341f), _mm256_set1_ps(0.5f)));
+  x = _mm256_fnmadd_ps(fx, _mm256_set1_ps(0.693359375f), x);
+  x = _mm256_fnmadd_ps(fx, _mm256_set1_ps(-2.12194440e-4f), x);
+  __m256 y = _mm256_set1_ps(1.9875691500E-4f);
+  y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(1.3981999507E-3f));
+  y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(8.3334519073E-3f));
+  y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(4.1665795894E-2f));
+  y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(1.6666665459E-1f));
+  y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(5.0000001201E-1f));
+  y = _mm256_fmadd_ps(y, _mm256_mul_ps(x, x), _mm256_add_ps(x, _mm256_set1_ps(1.0f)));
+  __m256i n = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvttps_epi32(fx), _mm256_set1_epi32(0x7f)), 23);
+  return _mm256_mul_ps(y, _mm256_castsi256_ps(n));
+}
+
+// The sums of 8 vectors, one per lane.
+static inline __m256 hsum8(__m256 a0, __m256 a1, __m256 a2, __m256 a3, __m256 a4, __m256 a5, __m256 a6, __m256 a7) {
+  __m256 u0 = _mm256_hadd_ps(_mm256_hadd_ps(a0, a1), _mm256_hadd_ps(a2, a3));
+  __m256 u1 = _mm256_hadd_ps(_mm256_hadd_ps(a4, a5), _mm256_hadd_ps(a6, a7));
+  return _mm256_add_ps(_mm256_permute2f128_ps(u0, u1, 0x20), _mm256_permute2f128_ps(u0, u1, 0x31));
+}
+#endif
+
+// int8 row → fp32
+static inline void to_float(const int8_t* src, float* dst, int64_t D) {
+  int64_t d = 0;
+#ifdef __AVX2__
+  for (; d + 8 <= D; d += 8)
+    _mm256_storeu_ps(dst + d, _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(
+                                  _mm_loadl_epi64(reinterpret_cast<const __m128i*>(src + d)))));
+#endif
+  for (; d < D; ++d) dst[d] = static_cast<float>(src[d]);
+}
+
+// s[t] = q · kf[t] for n keys (kf: n rows of D floats)
+static inline void dots(const float* q, const float* kf, int64_t n, int64_t D, float* s) {
+  int64_t t = 0;
+#ifdef __AVX2__
+  if (D % 8 == 0) {
+    for (; t + 8 <= n; t += 8) {
+      const float* k = kf + t * D;
+      __m256 a0 = _mm256_setzero_ps(), a1 = a0, a2 = a0, a3 = a0, a4 = a0, a5 = a0, a6 = a0, a7 = a0;
+      for (int64_t d = 0; d < D; d += 8) {
+        const __m256 qv = _mm256_loadu_ps(q + d);
+        a0 = _mm256_fmadd_ps(qv, _mm256_loadu_ps(k + d), a0);
+        a1 = _mm256_fmadd_ps(qv, _mm256_loadu_ps(k + D + d), a1);
+        a2 = _mm256_fmadd_ps(qv, _mm256_loadu_ps(k + 2 * D + d), a2);
+        a3 = _mm256_fmadd_ps(qv, _mm256_loadu_ps(k + 3 * D + d), a3);
+        a4 = _mm256_fmadd_ps(qv, _mm256_loadu_ps(k + 4 * D + d), a4);
+        a5 = _mm256_fmadd_ps(qv, _mm256_loadu_ps(k + 5 * D + d), a5);
+        a6 = _mm256_fmadd_ps(qv, _mm256_loadu_ps(k + 6 * D + d), a6);
+        a7 = _mm256_fmadd_ps(qv, _mm256_loadu_ps(k + 7 * D + d), a7);
+      }
+      _mm256_storeu_ps(s + t, hsum8(a0, a1, a2, a3, a4, a5, a6, a7));
+    }
+  }
+#endif
+  for (; t < n; ++t) {
+    float dot = 0.f;
+    for (int64_t d = 0; d < D; ++d) dot += q[d] * kf[t * D + d];
+    s[t] = dot;
+  }
+}
+
+// acc += Σ_t w[t] · vf[t] (vf: n rows of D floats)
+static inline void axpys(const float* w, const float* vf, int64_t n, int64_t D, float* acc) {
+  int64_t d0 = 0;
+#ifdef __AVX2__
+  for (; d0 + 64 <= D; d0 += 64) {  // 8 accumulators held in registers across the keys
+    __m256 a[8];
+    for (int i = 0; i < 8; ++i) a[i] = _mm256_loadu_ps(acc + d0 + 8 * i);
+    for (int64_t t = 0; t < n; ++t) {
+      const __m256 wv = _mm256_set1_ps(w[t]);
+      const float* v = vf + t * D + d0;
+      for (int i = 0; i < 8; ++i) a[i] = _mm256_fmadd_ps(wv, _mm256_loadu_ps(v + 8 * i), a[i]);
+    }
+    for (int i = 0; i < 8; ++i) _mm256_storeu_ps(acc + d0 + 8 * i, a[i]);
+  }
+#endif
+  for (int64_t t = 0; t < n; ++t)
+    for (int64_t d = d0; d < D; ++d) acc[d] += w[t] * vf[t * D + d];
+}
+
+static inline void exps(float* s, int64_t n, float m) {
+  int64_t t = 0;
+#ifdef __AVX2__
+  for (; t + 8 <= n; t += 8) _mm256_storeu_ps(s + t, exp8(_mm256_sub_ps(_mm256_loadu_ps(s + t), _mm256_set1_ps(m))));
+#endif
+  for (; t < n; ++t) s[t] = std::exp(s[t] - m);
+}
+
+// q [B, Hkv, G, D] fp32; kd, vd [N, bs, Hkv, D] int8; ks, vs [N, bs, Hkv] fp32; table [B, nb] int64;
+// mask [B, nb * bs] bool, or empty for all keys visible. Returns [B, Hkv, G, D] fp32.
+at::Tensor decode_int8(const at::Tensor& q, const at::Tensor& kd, const at::Tensor& ks, const at::Tensor& vd,
+                       const at::Tensor& vs, const at::Tensor& table, const at::Tensor& mask, double scale,
+                       int64_t chunk_blocks) {
+  TORCH_CHECK(q.dtype() == at::kFloat && q.is_contiguous() && q.dim() == 4, "q: contiguous fp32 [B, Hkv, G, D]");
+  TORCH_CHECK(kd.dtype() == at::kChar && vd.dtype() == at::kChar && kd.is_contiguous() && vd.is_contiguous(),
+              "kd, vd: contiguous int8 [N, bs, Hkv, D]");
+  TORCH_CHECK(ks.dtype() == at::kFloat && vs.dtype() == at::kFloat && ks.is_contiguous() && vs.is_contiguous(),
+              "ks, vs: contiguous fp32 [N, bs, Hkv]");
+  TORCH_CHECK(table.dtype() == at::kLong && table.is_contiguous(), "table: contiguous int64 [B, nb]");
+  const int64_t B = q.size(0), H = q.size(1), G = q.size(2), D = q.size(3);
+  const int64_t bs = kd.size(1), nb = table.size(1), L = nb * bs;
+  TORCH_CHECK(kd.size(2) == H && kd.size(3) == D && table.size(0) == B, "shapes of q, cache and table disagree");
+  TORCH_CHECK(mask.numel() == 0 || (mask.dtype() == at::kBool && mask.is_contiguous() && mask.numel() == B * L),
+              "mask: contiguous bool [B, nb * bs] or empty");
+  const int64_t nchunks = std::max<int64_t>(1, (nb + chunk_blocks - 1) / chunk_blocks);
+  const float* Q = q.data_ptr<float>();
+  const int8_t* K = kd.data_ptr<int8_t>();
+  const int8_t* V = vd.data_ptr<int8_t>();
+  const float* KS = ks.data_ptr<float>();
+  const float* VS = vs.data_ptr<float>();
+  const int64_t* T = table.data_ptr<int64_t>();
+  const bool* M = mask.numel() ? mask.data_ptr<bool>() : nullptr;
+  const float ninf = -std::numeric_limits<float>::infinity();
+  const float sc = static_cast<float>(scale);
+  const int64_t stride = G * (D + 2);  // per (b, h, chunk): G maxima, G sums, G x D accumulators
+  std::vector<float> part(B * H * nchunks * stride);
+  at::parallel_for(0, B * H * nchunks, 1, [&](int64_t begin, int64_t end) {
+    std::vector<float> s(G * bs), kf(bs * D), vf(bs * D);
+    for (int64_t task = begin; task < end; ++task) {
+      const int64_t b = task / (H * nchunks), h = (task / nchunks) % H, c = task % nchunks;
+      float* mx = part.data() + task * stride;
+      float* sm = mx + G;
+      float* acc = sm + G;
+      std::fill(mx, mx + G, ninf);
+      std::fill(sm, sm + G + G * D, 0.f);
+      const float* qb = Q + (b * H + h) * G * D;
+      for (int64_t j = c * chunk_blocks; j < std::min(nb, (c + 1) * chunk_blocks); ++j) {
+        const int64_t blk = T[b * nb + j];
+        const bool* mrow = M ? M + b * L + j * bs : nullptr;
+        if (mrow && std::none_of(mrow, mrow + bs, [](bool x) { return x; })) continue;
+        const int64_t base = blk * bs * H + h;  // slot (blk, t, h) = base + t * H
+#ifdef __AVX2__
+        if (j + 1 < nb) {  // the next block is anywhere in the pool: fetch its rows while this one computes
+          const int64_t next = T[b * nb + j + 1] * bs * H + h;
+          for (int64_t t = 0; t < bs; ++t) {
+            _mm_prefetch(reinterpret_cast<const char*>(K + (next + t * H) * D), _MM_HINT_T0);
+            _mm_prefetch(reinterpret_cast<const char*>(V + (next + t * H) * D), _MM_HINT_T0);
+          }
+        }
+#endif
+        for (int64_t t = 0; t < bs; ++t) {
+          to_float(K + (base + t * H) * D, kf.data() + t * D, D);
+          to_float(V + (base + t * H) * D, vf.data() + t * D, D);
+        }
+        for (int64_t g = 0; g < G; ++g) {
+          float* sg = s.data() + g * bs;
+          dots(qb + g * D, kf.data(), bs, D, sg);
+          float bmax = ninf;
+          for (int64_t t = 0; t < bs; ++t) {
+            sg[t] = (mrow && !mrow[t]) ? ninf : sg[t] * KS[base + t * H] * sc;
+            bmax = std::max(bmax, sg[t]);
+          }
+          const float mnew = std::max(mx[g], bmax);
+          const float corr = std::exp(mx[g] - mnew);  // exp(-inf) = 0 on the first visible block
+          exps(sg, bs, mnew);
+          float bsum = 0.f;
+          for (int64_t t = 0; t < bs; ++t) {
+            if (mrow && !mrow[t]) sg[t] = 0.f;  // exp8 clamps: a masked key must weigh exactly nothing
+            bsum += sg[t];
+            sg[t] *= VS[base + t * H];
+          }
+          float* ag = acc + g * D;
+          if (corr != 1.f)
+            for (int64_t d = 0; d < D; ++d) ag[d] *= corr;
+          sm[g] = sm[g] * corr + bsum;
+          mx[g] = mnew;
+          axpys(sg, vf.data(), bs, D, ag);
+        }
+      }
+    }
+  });
+  at::Tensor out = at::zeros({B, H, G, D}, q.options());
+  float* O = out.data_ptr<float>();
+  for (int64_t bh = 0; bh < B * H; ++bh) {  // merge the chunks' partial softmaxes
+    const float* first = part.data() + bh * nchunks * stride;
+    for (int64_t g = 0; g < G; ++g) {
+      float m = ninf;
+      for (int64_t c = 0; c < nchunks; ++c) m = std::max(m, first[c * stride + g]);
+      if (m == ninf) continue;  // no visible key: zeros
+      float total = 0.f;
+      float* o = O + (bh * G + g) * D;
+      for (int64_t c = 0; c < nchunks; ++c) {
+        const float* p = first + c * stride;
+        if (p[g] == ninf) continue;
+        const float f = std::exp(p[g] - m);
+        total += p[G + g] * f;
+        for (int64_t d = 0; d < D; ++d) o[d] += p[2 * G + g * D + d] * f;
+      }
+      for (int64_t d = 0; d < D; ++d) o[d] /= total;
+    }
+  }
+  return out;
+}
+
+TORCH_LIBRARY(tokenhaul_kv, m) {
+  m.def("decode_int8(Tensor q, Tensor kd, Tensor ks, Tensor vd, Tensor vs, Tensor table, Tensor mask, "
+        "float scale, int chunk_blocks) -> Tensor");
+}
+
+TORCH_LIBRARY_IMPL(tokenhaul_kv, CPU, m) { m.impl("decode_int8", &decode_int8); }
