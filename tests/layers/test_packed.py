@@ -89,17 +89,42 @@ def test_int4_kernel_matches_float_reference(n, k_groups, m, group, bias, seed):
 
 
 @settings(max_examples=25, deadline=None)
-@given(n=st.integers(1, 200), k16=st.integers(1, 18), m=st.integers(1, 40), seed=st.integers(0, 2**16))
-def test_int8_kernel_matches_float_reference(n, k16, m, seed):
+@given(n=st.integers(1, 200), k16=st.integers(1, 18), m=st.integers(1, 40), bias=st.booleans(),
+       seed=st.integers(0, 2**16))
+def test_int8_kernels_match_float_reference(n, k16, m, bias, seed):
+    """Both int8 paths against fp32 x @ dequant^T (+ b): the packed kernel (bf16 activations and output) within
+    1 %; the integer GEMM within the rounding of its 16-bit activations, |error| <= s / 508 * sum |w| per
+    output (s = max |x| / 127 of the row), plus fp32 rounding."""
     g = torch.Generator().manual_seed(seed)
     k = 16 * k16
     w = torch.randn(n, k, generator=g)
-    lin = Int8Linear.build([w], None, torch.bfloat16, CPU)
+    b = torch.randn(n, generator=g) if bias else None
+    lin = Int8Linear.build([w], b, torch.bfloat16, CPU)
     deq = lin.dequantize()
     assert ((w - deq).abs() <= w.abs().amax(1, keepdim=True) / 126 * 0.51 + 1e-6).all()
     x = torch.randn(m, k, generator=g)
-    ref = x.bfloat16().float() @ deq.t()
-    torch.testing.assert_close(lin(x), ref, atol=0.01 * ref.abs().max().item() + 1e-3, rtol=0.01)
+    ref = x @ deq.t() + (0 if b is None else b)
+    lin.packed_rows = m  # the packed kernel
+    xb = x.bfloat16().float()
+    tol = 0.01 * (xb.abs() @ deq.abs().t()) + 1e-3
+    assert ((lin(x) - (xb @ deq.t() + (0 if b is None else b))).abs() <= tol).all()
+    lin.packed_rows = 0  # the integer GEMM
+    y = lin(x)
+    assert y.shape == (m, n) and y.dtype == torch.float32
+    row_scale = x.abs().amax(1, keepdim=True) / 127
+    assert ((y - ref).abs() <= row_scale / 508 * deq.abs().sum(1) * 1.001 + 1e-4 * (x.abs() @ deq.abs().t())).all()
+
+
+def test_int8_integer_path_is_batch_invariant():
+    """A row's output from the integer GEMM does not depend on which rows share its call (exact int32 sums),
+    so the batch-invariant factory runs it at every row count."""
+    make = LinearFactory(QuantSpec("int8"), torch.bfloat16, batch_invariant=True)
+    lin = make.linear("a", [torch.randn(96, 160)])
+    assert lin.packed_rows == 0
+    x = torch.randn(33, 160)
+    y = lin(x)
+    assert all(torch.equal(lin(x[i:i + 1]), y[i:i + 1]) for i in (0, 17, 32))
+    assert torch.equal(lin(x[5:12]), y[5:12])
 
 
 def test_fused_parts_of_mixed_types_stack_along_out():

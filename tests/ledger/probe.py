@@ -49,6 +49,8 @@ class TrafficCounter(TorchDispatchMode):
             self.flops += 2 * args[0].numel() * args[1].shape[-1]
         elif name.startswith(("_weight_int4pack_mm", "_weight_int8pack_mm")) and out.numel():
             self.flops += 2 * args[0].numel() * out.shape[-1]
+        elif name == "_int_mm" and out.numel():  # int8 linears: two int8 rows (hi, lo) per activation row
+            self.flops += args[0].numel() * args[1].shape[-1]
         elif name == "linear" and out.numel():
             self.flops += 2 * args[0].numel() * args[1].shape[0]
         elif name == "scaled_dot_product_attention":

@@ -1,29 +1,49 @@
-"""8-bit per-channel weights on `_weight_int8pack_mm` (bf16 activations): symmetric, one scale per row."""
+"""8-bit per-channel weights (symmetric, one scale per row). A few rows run `_weight_int8pack_mm` (bf16
+activations); more rows quantize each activation row on the fly and run the integer GEMM `torch._int_mm`
+(int8 x int8, exact int32 sums), which on this CPU is 1.5-6x the packed kernel from 8 rows on and still 2x
+a bf16 GEMM at 512 rows (bench/int8_kernels.py, bench/RESULTS.md "Speed run 3").
+
+Each activation row goes in as two int8 rows, hi + lo / 254 (16 bits: the product matches bf16 activations
+times the int8 weight to ~3e-5 relative). One int8 row (8 bits) would be 1.2-2x faster again but costs
+SmolLM2 0.8 % perplexity through its lm_head and greedy agreement with fp32 below 95 % (RESULTS)."""
 
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 
 from tokenhaul.layers.linear import Linear, Part, dequantize_part, register
 
 
+def quantize_rows(x: torch.Tensor, split: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """x [M, K] → (int8 codes, fp32 scale [M, 1]). Not split: codes [M, K], x ≈ codes * scale. Split: codes
+    [2M, K] = [hi; lo] with x ≈ (hi + lo / 254) * scale. |codes| <= 127 either way."""
+    xf = x.float()
+    scale = xf.abs().amax(-1, keepdim=True).div_(127).clamp_min_(1e-30)
+    u = xf.div(scale)
+    if not split:
+        return u.round_().to(torch.int8), scale
+    hi = u.round()
+    return torch.cat([hi, u.sub_(hi).mul_(254).round_()]).to(torch.int8), scale
+
+
 @register("int8")
 class Int8Linear(Linear):
-    """The packed kernel for up to `max_rows` rows; more rows dequantize to bf16 for one dense GEMM."""
+    """y = (x_q @ W_q^T) * x_scale * w_scale on CPU for more than `packed_rows` rows; `_weight_int8pack_mm`
+    up to that, and always on CUDA."""
 
-    max_rows: int | None = 16  # int8pack is slower than a bf16 GEMM from ~8 rows (MACHINE.md); dequant is 2 ops
+    packed_rows = 7  # int8pack ÷ int_mm(16-bit activations) crosses 1 between 4 and 8 rows (RESULTS)
 
     def __init__(self, weight: torch.Tensor, scales: torch.Tensor, bias: torch.Tensor | None) -> None:
         self.weight = weight  # int8 [out, in]
         self.scales = scales  # bf16 [out]
-        self.scales_col = scales.view(-1, 1)  # the same storage, shaped to scale rows
+        self.weight_t = weight.t()  # [in, out] view: _int_mm's operand, no copy
         self.out_features, self.in_features = weight.shape
         self.bias = bias
+        self.cuda = weight.device.type == "cuda"
 
     @classmethod
     def supports(cls, in_features: int, group: int | None) -> bool:
-        return in_features % 16 == 0  # the kernel reads 16 inputs at a time (other widths crash in torch 2.13)
+        return in_features % 16 == 0  # the packed kernel reads 16 inputs at a time (other widths crash in torch 2.13)
 
     @classmethod
     def build(cls, parts: list[Part], bias, dtype, device, group=None) -> Int8Linear:
@@ -34,16 +54,18 @@ class Int8Linear(Linear):
         return cls(q.to(device), scale.to(device, torch.bfloat16), b)
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        xb = x.to(torch.bfloat16)
-        if self.max_rows is not None and x.shape[0] > self.max_rows:
-            y = F.linear(xb, self.dequantize(torch.bfloat16))
+        m = x.shape[0]
+        if self.cuda or m <= self.packed_rows:
+            y = torch.ops.aten._weight_int8pack_mm(x.to(torch.bfloat16), self.weight, self.scales)
         else:
-            y = torch.ops.aten._weight_int8pack_mm(xb, self.weight, self.scales)
+            xq, xs = quantize_rows(x, split=True)
+            hi_lo = torch._int_mm(xq, self.weight_t).float()
+            y = torch.add(hi_lo[:m], hi_lo[m:], alpha=1 / 254).mul_(xs).mul_(self.scales)
         return self._add_bias(y).to(x.dtype)
 
     def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
         """[out, in] at `dtype`: reads the int8 weight once and the scales once."""
-        return self.weight.to(dtype).mul_(self.scales_col)
+        return self.weight.to(dtype).mul_(self.scales.view(-1, 1))
 
     def tensors(self) -> list[torch.Tensor]:
         return [self.weight, self.scales] + ([] if self.bias is None else [self.bias])

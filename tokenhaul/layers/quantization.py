@@ -101,8 +101,11 @@ class LinearFactory:
             lin = FORMATS[fmt].build(parts, bias, self.dtype, self.device, group)
             if fmt != "dense":
                 self.built[name] = lin
-        if self.batch_invariant and getattr(lin, "max_rows", None) is not None:
-            lin.max_rows = None  # never switch to the dequantized GEMM past a row count: numbers would shift
+        if self.batch_invariant:  # one kernel at every row count: a row's numbers must not depend on the batch
+            if getattr(lin, "max_rows", None) is not None:
+                lin.max_rows = None
+            if lin.format == "int8":
+                lin.packed_rows = 0  # the integer GEMM's int32 sums are exact, so each row is its own
         return lin
 
     def embedding(self, table: Part) -> Embedding:
