@@ -7,6 +7,7 @@ import os
 import pytest
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TOKENHAUL_COMPILE", "off")  # LLM()/CLI default auto compiles in the background: tests opt in
 
 from tiny_models import tiny_model  # noqa: E402
 

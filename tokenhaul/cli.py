@@ -40,6 +40,10 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--deterministic", action="store_true",
                    help="batch-invariant attention: temperature 0 gives the same tokens whatever else is batched "
                         "or cached (slower prefill, see bench/RESULTS.md)")
+    p.add_argument("--compile", default=os.environ.get("TOKENHAUL_COMPILE", "auto"), choices=("auto", "on", "off"),
+                   help="batch-1 decode as one compiled graph (torch.compile, C++): auto = with bf16 on the CPU, "
+                        "compiled in the background while the first tokens decode eagerly (cold ~1 min, cached after); "
+                        "on = compile before the first step; off = eager")
     p.add_argument("--itl-target-ms", type=float, default=0.0,
                    help="inter-token budget: prefill chunks are sized so a step's predicted time stays under it "
                         "(or under 1.5x the decodes' own, if more) "
@@ -50,7 +54,7 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
 def engine_kwargs(args: argparse.Namespace) -> dict:
     keys = ("device", "dtype", "kv_dtype", "sparsity", "threads", "quantization", "kv_memory_gib", "num_kv_blocks",
             "block_size", "max_model_len", "max_num_batched_tokens", "max_num_seqs", "enable_prefix_caching",
-            "draft_model", "draft_quantization", "itl_target_ms", "deterministic")
+            "draft_model", "draft_quantization", "itl_target_ms", "deterministic", "compile")
     return {k: getattr(args, k) for k in keys}
 
 

@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import os
+from dataclasses import dataclass, field
 
 import torch
 
@@ -36,6 +37,8 @@ class EngineConfig:
     quantization: str = "auto"  # auto | none | int8 | int4[:32|64|128]; see layers/quantization.py
     deterministic: bool = False  # batch-invariant attention: same tokens whatever is batched or cached (costs
     # prefill time, bench/determinism.py)
+    compile: str = field(default_factory=lambda: os.environ.get("TOKENHAUL_COMPILE", "auto"))  # batch-1 decode as
+    # one compiled graph (engine/compiled_decode.py): auto (bf16 on CPU, compiled in the background) | on | off
 
     def __post_init__(self) -> None:
         if self.dtype not in DTYPES:
@@ -57,10 +60,38 @@ class EngineConfig:
         if self.deterministic and self.sparsity:
             raise TokenhaulError("--deterministic cannot be combined with --sparsity (its kernel changes with the "
                                  "number of rows)")
+        if self.compile not in ("auto", "on", "off"):
+            raise TokenhaulError(f"unknown --compile '{self.compile}' (choose from auto, on, off)")
+        if self.compile == "on" and self.compile_blocker:
+            raise TokenhaulError(f"--compile on: {self.compile_blocker}")
         if self.speculative_max_batch < 0:
             raise TokenhaulError("speculative_max_batch must be >= 0")
         if not 0 <= self.itl_target_ms < float("inf"):
             raise TokenhaulError(f"--itl-target-ms must be a finite number >= 0 (0 = off), got {self.itl_target_ms}")
+
+    @property
+    def compile_blocker(self) -> str | None:
+        """Why the compiled decode step cannot run under this config (None: it can)."""
+        import shutil
+
+        if not self.device.startswith("cpu"):
+            return "the compiled decode step runs on the CPU only"
+        if self.deterministic:
+            return "cannot be combined with --deterministic (the compiled step's kernels differ from the eager ones)"
+        if self.kv_dtype == "int8":
+            return "not with --kv-dtype int8"
+        if self.sparsity:
+            return "not with --sparsity"
+        if not any(shutil.which(c) for c in ("g++", "c++", "clang++")):
+            return "needs a C++ compiler on PATH (g++)"
+        return None
+
+    @property
+    def compiled_decode(self) -> bool:
+        """Whether batch-1 decode runs as one compiled graph: `on`, or `auto` with bf16 (fp32 is the exact path)."""
+        if self.compile == "off" or self.compile_blocker:
+            return False
+        return self.compile == "on" or self.torch_dtype == torch.bfloat16
 
     @property
     def torch_dtype(self) -> torch.dtype:

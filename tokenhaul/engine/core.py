@@ -6,6 +6,7 @@ told what each step did and how long each stage took; nothing here ever reads it
 
 from __future__ import annotations
 
+import sys
 import time
 from collections.abc import Collection
 from dataclasses import dataclass, field
@@ -18,17 +19,19 @@ from tokenhaul.decoding import PROPOSERS
 from tokenhaul.decoding.beam import BeamSearch
 from tokenhaul.decoding.decoder import Decoder, Verdict
 from tokenhaul.decoding.speculative import DraftModel, check_pair
+from tokenhaul.engine.compiled_decode import CompiledDecode, compile_elsewhere
 from tokenhaul.engine.messages import CoreLimits, CoreStats, RequestDelta
 from tokenhaul.engine.request import Request, Status
 from tokenhaul.engine.runner import ModelRunner
 from tokenhaul.engine.scheduler import Scheduler, SchedulerConfig
 from tokenhaul.engine.step_calibration import load_or_calibrate
 from tokenhaul.engine.step_time import StepTimeModel
-from tokenhaul.errors import CapacityError, RequestError
+from tokenhaul.errors import CapacityError, RequestError, TokenhaulError
 from tokenhaul.kv.block_pool import BlockPool
 from tokenhaul.kv.cache import KVCache
 from tokenhaul.kv.manager import KVHolder, KVManager
 from tokenhaul.kv.prefix_cache import PrefixCache
+from tokenhaul.models.catalog import cache_root
 from tokenhaul.models.registry import Model
 from tokenhaul.sampling_params import SamplingParams
 
@@ -102,12 +105,29 @@ class EngineCore:
             check_pair(model, draft_model)
             mirrors = (make_cache(config, draft_model, num_blocks),)
             proposers["draft"] = DraftModel(draft_model, mirrors[0], config.device, draft_prefill_model)
-        self.runner = ModelRunner(model, self.kv, config.device, mirrors, config.deterministic)
+        compiled = CompiledDecode(model, self.kv, config, cache_root()) if config.compiled_decode else None
+        if compiled is not None and config.compile == "auto" and not compiled.cached:
+            compile_elsewhere(config)  # this run stays eager; the next start finds the graph in inductor's cache
+            compiled = None
+        self.runner = ModelRunner(model, self.kv, config.device, mirrors, config.deterministic, compiled)
         self.decoder = Decoder(proposers, max_len, config.speculative_max_batch)
         self.beams = BeamSearch(self.scheduler, max_len)
         self.num_steps = 0
         if config.itl_target_ms > 0:
             self.scheduler.step_time = step_time or load_or_calibrate(self)  # times the runner: built last
+        if compiled is not None:
+            self._compile(compiled)
+
+    def _compile(self, compiled: CompiledDecode) -> None:
+        """Compile the decode step now; a failure stops `--compile on` with one line, leaves `auto` eager."""
+        try:
+            compiled.warm_up()
+        except Exception as e:  # noqa: BLE001 - any compiler failure
+            msg = f"compiling the decode step failed ({type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''})"
+            if self.config.compile == "on":
+                raise TokenhaulError(f"--compile on: {msg}") from None
+            print(f"tokenhaul: {msg}; decoding eagerly", file=sys.stderr)
+            self.runner.compiled = None
 
     @property
     def max_model_len(self) -> int:

@@ -8,6 +8,7 @@ from dataclasses import dataclass, field
 import torch
 
 from tokenhaul.engine.attention_calls import attention_calls
+from tokenhaul.engine.compiled_decode import CompiledDecode
 from tokenhaul.engine.scheduler import ScheduledChunk, SchedulerOutput
 from tokenhaul.kv.cache import KVCache
 from tokenhaul.layers.attention import AttentionMetadata, AttnGroup
@@ -17,17 +18,21 @@ from tokenhaul.models.registry import Model
 @dataclass
 class ModelInput:
     input_ids: torch.Tensor  # [T]
-    meta: AttentionMetadata
+    meta: AttentionMetadata | None  # None on a compiled decode step (the graph builds its own from `decode`)
     sample_rows: torch.Tensor  # [N] rows of the hidden states whose logits are sampled
     sample_chunks: list[ScheduledChunk]  # the chunks that sample, in row order (chunk.num_sampled rows each)
     kv_view_slots: int = 0  # key slots per layer read in place (consecutive blocks), not gathered
     attn_groups: list[tuple[int, list[int]]] = field(default_factory=list)  # (query length, KV length per sequence)
+    decode: tuple[torch.Tensor, ...] | None = None  # a pure-decode step for the compiled graph: ids, positions,
+    # slots, block table (engine/compiled_decode.py)
 
 
 class ModelRunner:
     def __init__(self, model: Model, kv: KVCache, device: str | torch.device,
-                 mirrors: tuple[KVCache, ...] = (), per_query: bool = False) -> None:
+                 mirrors: tuple[KVCache, ...] = (), per_query: bool = False,
+                 compiled: CompiledDecode | None = None) -> None:
         self.model = model
+        self.compiled = compiled  # pure-decode steps of the batch sizes it accepts run as one compiled graph
         self.per_query = per_query  # batch-invariant attention (--deterministic)
         self.kv = kv
         self.mirrors = mirrors  # caches addressed by the same block ids (a draft model's): copied alike
@@ -74,6 +79,9 @@ class ModelRunner:
             shapes.append((q_len, [c.start + q_len for c in chunks]))
         view_slots = sum(g.block_table.shape[1] * bs for g in groups if g.block_start is not None)
         dev = self.device
+        if self.compiled is not None and single and q_len == 1 and len(sample_rows) == len(ids) \
+                and self.compiled.accepts(len(ids)):
+            return self._compiled_input(ids, pos, slot_parts[0], groups[0].block_table, sample_chunks, shapes)
         meta = AttentionMetadata(torch.tensor(pos, dtype=torch.long).to(dev), torch.cat(slot_parts).to(dev),
                                  [self._to(g) for g in groups], len(ids), self.per_query)
         return ModelInput(torch.tensor(ids, dtype=torch.long, device=dev), meta,
@@ -82,8 +90,22 @@ class ModelRunner:
     @torch.inference_mode()
     def forward(self, inp: ModelInput) -> torch.Tensor:
         """Run the model; return fp32 logits [N, vocab] for the sampling rows."""
+        if inp.decode is not None:
+            return self.compiled.run(*inp.decode)
         hidden = self.model.forward(inp.input_ids, inp.meta, self.kv)
         return self.model.compute_logits(hidden[inp.sample_rows])
+
+    def _compiled_input(self, ids: list[int], pos: list[int], slots: torch.Tensor, table: torch.Tensor,
+                        chunks: list[ScheduledChunk], shapes: list[tuple[int, list[int]]]) -> ModelInput:
+        """A pure-decode step for the compiled graph: no masks (built in the graph), the table padded to >= 2
+        blocks (a dynamic dimension of size 1 would be specialized). Inductor fuses the table lookup into
+        attention's reductions, so every key slot is read in place (the ledger's view slots)."""
+        B, nb, dev = len(ids), table.shape[1], self.device
+        padded = torch.cat([table, table.new_zeros(B, 2 - nb)], 1) if nb < 2 else table
+        decode = (torch.tensor(ids, dtype=torch.long).to(dev), torch.tensor(pos, dtype=torch.long).to(dev),
+                  slots.to(dev), padded.to(dev))
+        return ModelInput(decode[0], None, torch.arange(B, device=dev), chunks, B * nb * self.block_size, shapes,
+                          decode)
 
     @staticmethod
     def _consecutive(block_ids: list[int], n: int) -> int | None:

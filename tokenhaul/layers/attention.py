@@ -34,6 +34,7 @@ class AttentionMetadata:
     groups: list[AttnGroup]
     num_tokens: int
     per_query: bool = False  # --deterministic: every query attends alone (see _per_query_sdpa)
+    traced: bool = False  # inside the compiled decode graph (engine/compiled_decode.py): see _decode_traced
 
 
 def _write(cache: torch.Tensor | Int8Blocks, slots: torch.Tensor, x: torch.Tensor) -> None:
@@ -71,7 +72,9 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
         qg = q if g.token_index is None else q[g.token_index]
         fold = g.q_len == 1 and not meta.per_query
         mask = g.mask_local if sliding else g.mask
-        if fold and isinstance(k_cache, Int8Blocks) and int8_attention.available():
+        if fold and meta.traced and isinstance(k_cache, torch.Tensor):
+            o = _decode_traced(qg, k_cache, v_cache, g, mask, scale)
+        elif fold and isinstance(k_cache, Int8Blocks) and int8_attention.available():
             # int8 decodes read the int8 blocks through the table, scales applied inside: no float copy
             o = int8_attention.decode_int8(qg.view(g.batch, Hkv, H // Hkv, D), k_cache.data, k_cache.scale,
                                            v_cache.data, v_cache.scale, g.block_table, mask, scale)
@@ -109,6 +112,21 @@ def _sdpa(qg: torch.Tensor, g: AttnGroup, k_cache: torch.Tensor | Int8Blocks, v_
             o = F.scaled_dot_product_attention(qg, kg, vg, attn_mask=mask, scale=scale, enable_gqa=True)
         o = o.transpose(1, 2).reshape(g.batch * g.q_len, H * D)
     return o
+
+
+def _decode_traced(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, g: AttnGroup,
+                   mask: torch.Tensor, scale: float) -> torch.Tensor:
+    """One query per sequence, written as products and sums so that inside a compiled graph (engine/
+    compiled_decode.py) inductor fuses the block-table lookup into the reductions: keys are read in place,
+    never gathered into a copy. q: [B, H, D]; mask: [B, 1, 1, L]. Returns [B, H*D] (fp32 math)."""
+    B, H, D = q.shape
+    Hkv = k_cache.shape[2]
+    k = k_cache[g.block_table].view(B, -1, Hkv, 1, D).float()  # [B, L, Hkv, 1, D]
+    v = v_cache[g.block_table].view(B, -1, Hkv, 1, D).float()
+    s = (q.float().view(B, 1, Hkv, H // Hkv, D) * k).sum(-1) * scale  # [B, L, Hkv, G]
+    s = s.masked_fill(~mask.view(B, -1, 1, 1), float("-inf"))
+    p = s.softmax(dim=1)
+    return (p.unsqueeze(-1) * v).sum(1).reshape(B, H * D)
 
 
 def _per_query_sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None,

@@ -4,9 +4,30 @@ from __future__ import annotations
 
 import numpy as np
 import torch
+from gguf import GGMLQuantizationType as Q
 from gguf.quants import dequantize
 
 from tokenhaul.layers.gguf_weight import GGUFWeight
+
+
+def _q8_0(rows: torch.Tensor) -> torch.Tensor:
+    """uint8 [T, n * 34] Q8_0 blocks (fp16 scale, 32 int8) → fp32 [T, n * 32], as gguf computes it."""
+    b = rows.view(rows.shape[0], -1, 34)
+    d = b[..., :2].contiguous().view(torch.float16).float()
+    return (b[..., 2:].contiguous().view(torch.int8).float() * d).flatten(1)
+
+
+def _q5_0(rows: torch.Tensor) -> torch.Tensor:
+    """uint8 [T, n * 22] Q5_0 blocks (fp16 scale, 32 high bits, 16 bytes of low nibbles) → fp32 [T, n * 32]."""
+    b = rows.view(rows.shape[0], -1, 22)
+    d = b[..., :2].contiguous().view(torch.float16).float()
+    bits = (b[..., 2:6, None] >> torch.arange(8, dtype=torch.uint8, device=rows.device)) & 1  # [T, n, 4, 8]
+    qs = b[..., 6:]
+    q = torch.cat([qs & 15, qs >> 4], dim=-1) | (bits.flatten(-2) << 4)  # element j: bit j of the 32 high bits
+    return ((q.float() - 16) * d).flatten(1)
+
+
+TORCH_DEQUANT = {Q.Q8_0: _q8_0, Q.Q5_0: _q5_0}  # in torch: traceable by torch.compile; others go through numpy
 
 
 class Embedding:
@@ -37,5 +58,7 @@ class Embedding:
         rows = self.weight[ids]
         if not self.packed:
             return rows.to(self.dtype)
+        if self.qtype in TORCH_DEQUANT:
+            return TORCH_DEQUANT[self.qtype](rows).to(self.dtype)
         out = dequantize(rows.cpu().numpy(), self.qtype).reshape(-1, self.hidden)
         return torch.from_numpy(np.ascontiguousarray(out, dtype=np.float32)).to(self.weight.device, self.dtype)
