@@ -40,7 +40,7 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--deterministic", action="store_true",
                    help="batch-invariant attention: temperature 0 gives the same tokens whatever else is batched "
                         "or cached (slower prefill, see bench/RESULTS.md)")
-    p.add_argument("--compile", default=os.environ.get("TOKENHAUL_COMPILE", "auto"), choices=("auto", "on", "off"),
+    p.add_argument("--compile", default=os.environ.get("TOKENHAUL_COMPILE", "off"), choices=("auto", "on", "off"),
                    help="batch-1 decode as one compiled graph (torch.compile, C++): auto = with bf16 on the CPU, "
                         "compiled in the background while the first tokens decode eagerly (cold ~1 min, cached after); "
                         "on = compile before the first step; off = eager")
