@@ -55,6 +55,18 @@ def test_int4_blocks_equal_gguf_dequantize(qtype):
     assert ((lin.dequantize() - ref).abs() <= tol).all()
 
 
+@pytest.mark.parametrize("n,k,group", [(64, 32, 32), (200, 384, 64), (576, 896, 128)])
+def test_cpp_dequantize_equals_torch_ops(monkeypatch, n, k, group):
+    """The one-pass C++ dequantization (int4_dequant.cpp) writes the same bf16 values as the torch-op path."""
+    from tokenhaul.layers import int4_dequant
+
+    assert int4_dequant.available()
+    lin = Int4Linear.build([torch.randn(n, k)], None, torch.bfloat16, CPU, group)
+    fast = lin.dense_t()
+    monkeypatch.setitem(int4_dequant._state, "ok", False)
+    assert fast.shape == (k, n) and torch.equal(fast, lin.dense_t())
+
+
 def test_pack_layout_round_trip():
     q = torch.randint(0, 16, (192, 96), dtype=torch.uint8)
     assert torch.equal(unpack_cpu(pack_cpu(q), 192, 96), q)

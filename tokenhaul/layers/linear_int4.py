@@ -8,6 +8,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from tokenhaul.layers import int4_dequant
 from tokenhaul.layers.gguf_weight import GGUFWeight
 from tokenhaul.layers.linear import Linear, Part, dequantize_part, register
 
@@ -50,10 +51,12 @@ class Int4Linear(Linear):
     """`_weight_int4pack_mm_for_cpu` (or the CUDA `_weight_int4pack_mm`) for up to `max_rows` rows; more rows
     dequantize to bf16 and run one dense GEMM (the packed kernel scales like a loop of GEMVs)."""
 
-    # Above this many rows: dequantize (dense_t) + one dense GEMM. Measured on a quiet machine (2 threads,
-    # SmolLM2 and Qwen2.5-0.5B shapes): packed/dequantized time 0.45 at 64 rows, 0.85-0.99 at 192,
-    # 0.89-1.16 at 256, 1.6 at 512.
-    max_rows: int | None = 224
+    # Above this many rows: dequantize (dense_t) + one dense GEMM. Measured on a quiet machine (2 threads, one
+    # layer's linears of SmolLM2 / Qwen2.5-0.5B, packed ÷ dequantized time): with the C++ dequantization 0.64-0.80
+    # at 32 rows, 0.85-0.96 at 48, 1.01-1.17 at 64, 1.46-1.56 at 128 (bench/RESULTS.md "Speed run 3"); with the
+    # torch-op fallback 0.45 at 64, 0.85-0.99 at 192, 0.89-1.16 at 256.
+    max_rows: int | None = 56
+    max_rows_fallback = 224
 
     def __init__(self, weight: torch.Tensor, scales_zeros: torch.Tensor, group: int, out_features: int,
                  in_features: int, bias: torch.Tensor | None) -> None:
@@ -63,6 +66,8 @@ class Int4Linear(Linear):
         self.out_features, self.in_features = out_features, in_features
         self.bias = bias
         self.cuda = weight.device.type == "cuda"
+        if not self.cuda and not int4_dequant.available():
+            self.max_rows = self.max_rows_fallback
 
     @classmethod
     def supports(cls, in_features: int, group: int | None) -> bool:
@@ -110,8 +115,11 @@ class Int4Linear(Linear):
         return w[:self.out_features].to(dtype)
 
     def dense_t(self) -> torch.Tensor:
-        """The weight transposed, [in, out] bf16, in three passes over the packed bytes (CPU layout): the
-        codes are laid out [in, out] straight from the kernel's blocks, so the scales broadcast as stored."""
+        """The weight transposed, [in, out] bf16 (CPU layout): one pass of the C++ kernel (int4_dequant.py),
+        or else three passes of torch ops — the codes laid out [in, out] straight from the kernel's blocks, so
+        the scales broadcast as stored."""
+        if int4_dequant.available():
+            return torch.ops.tokenhaul_int4.dequant_t(self.weight, self.scales_zeros, self.group)[:, :self.out_features]
         n, k, g = self.scales_zeros.shape[1], self.in_features, self.group
         w = self.weight.view(n // BLOCK_N, k, BLOCK_N // 2)
         q = torch.cat([(w & 15).permute(1, 0, 2), (w >> 4).permute(1, 0, 2)], dim=2).view(k // g, g, n)
