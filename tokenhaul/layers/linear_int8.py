@@ -59,8 +59,8 @@ class Int8Linear(Linear):
             y = torch.ops.aten._weight_int8pack_mm(x.to(torch.bfloat16), self.weight, self.scales)
         else:
             xq, xs = quantize_rows(x, split=True)
-            hi_lo = torch._int_mm(xq, self.weight_t).float()
-            y = torch.add(hi_lo[:m], hi_lo[m:], alpha=1 / 254).mul_(xs).mul_(self.scales)
+            hi_lo = torch._int_mm(xq, self.weight_t)  # int32 [2m, out]; only the hi half becomes a float copy
+            y = hi_lo[:m].float().add_(hi_lo[m:], alpha=1 / 254).mul_(xs).mul_(self.scales)
         return self._add_bias(y).to(x.dtype)
 
     def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
