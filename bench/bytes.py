@@ -5,7 +5,13 @@ context 512 and 4096, perplexity (`eval ppl`'s harness, short windows; long wind
 greedy agreement with the model's first row; then a fit of seconds per token against bytes per token.
 The batch-8 rows at 4096 share one cached prefix (prefill once), each sequence still attends its own 4 k.
 
-    flock /tmp/tokenhaul-bench.lock .venv/bin/python bench/bytes.py [--quick]
+    flock -x /tmp/tokenhaul-bench.lock .venv/bin/python bench/bytes.py [--quick]
+
+The whole grid takes ~27 min; under the exclusive lock run it in parts of a few minutes, each with its own
+baseline row (the first option of a model is its reference), e.g. speed only:
+
+    bench/bytes.py --models smollm2-135m --no-ppl --no-kernels --json bench/bytes-smollm2.json
+    bench/bytes.py --models smollm2-135m --options none/bf16/0,none/int8/0,auto/bf16/0,auto/int8/0 ...
 """
 
 from __future__ import annotations
@@ -29,6 +35,7 @@ GRID = [
     ("smollm2-135m", "none", "bf16", 0.4),
     ("smollm2-135m", "int8", "bf16", 0.0),
     ("smollm2-135m", "int8", "bf16", 0.4),
+    ("smollm2-135m", "int8", "int8", 0.0),
     ("smollm2-135m", "auto", "bf16", 0.0),
     ("smollm2-135m", "auto", "int8", 0.0),
     ("smollm2-135m", "auto", "bf16", 0.4),
@@ -53,7 +60,7 @@ def decode_rate(llm: LLM, prompts: list[list[int]]) -> tuple[float, dict, list[l
     return s["decode_tokens_per_s"], s, [o.token_ids for o in outs]
 
 
-def run_option(model: str, quant: str, kv: str, sparsity: float, ref: dict | None, long_ppl: bool) -> dict:
+def run_option(model: str, quant: str, kv: str, sparsity: float, ref: dict | None, ppl: bool, long_ppl: bool) -> dict:
     t0 = time.perf_counter()
     llm = LLM(model, quantization=quant, kv_dtype=kv, sparsity=sparsity, max_num_batched_tokens=4096,
               max_num_seqs=8, kv_memory_gib=0.5)
@@ -75,15 +82,35 @@ def run_option(model: str, quant: str, kv: str, sparsity: float, ref: dict | Non
             row["tokens_512"] = toks
         else:
             row["kv_bytes_per_token_4096"] = s1["kv_bytes_per_token"]
+    if sparsity:
+        row.update(kernel_count(llm, p512[0]))
     llm.core.prefix_cache.enabled = False  # perplexity windows must each be one computed prefill chunk
-    row["ppl"] = evaluate(llm, None, 1536, 512, 256)["perplexity"]
-    if long_ppl:  # one 4096-token window of English prose: the KV dtype's effect at long context
+    if ppl:
+        row["ppl"] = evaluate(llm, None, 1536, 512, 256)["perplexity"]
+    if ppl and long_ppl:  # one 4096-token window of English prose: the KV dtype's effect at long context
         row["ppl_long"] = evaluate(llm, CORPUS_DIR / "en.txt", 4096, 4096, 4096)["perplexity"]
     if ref is not None:
         pairs = [(a, b) for ra, rb in zip(ref["tokens_512"], row["tokens_512"]) for a, b in zip(ra, rb)]
         row["agreement"] = sum(a == b for a, b in pairs) / len(pairs)
     row["seconds"] = time.perf_counter() - t0
     return row
+
+
+def kernel_count(llm: LLM, prompt: list[int]) -> dict:
+    """The sparse kernels' own count of weight-row bytes read (SparseLinear.touched_bytes) against the
+    ledger's, over one request whose prompt is already cached (a short prefill tail, then NEW decodes)."""
+    sparse = [v for layer in llm.model.layers for v in vars(layer).values() if hasattr(v, "touched_bytes")]
+    sparse += [llm.model.lm_head] if hasattr(llm.model.lm_head, "touched_bytes") else []
+    llm.generate(prompt, SamplingParams(max_tokens=1))  # cache the prompt's blocks
+    for lin in sparse:
+        lin.touched_bytes = 0
+    out = llm.generate(prompt, SamplingParams(max_tokens=NEW, temperature=0, ignore_eos=True))[0]
+    mc, steps = llm.costs, out.ledger.steps
+    other = sum(mc.norm_bytes + sum(n for _, _, n in s.record.chunks) * mc.embed_row_bytes for s in steps)
+    ledger = sum(s.costs.weight_bytes for s in steps) - other
+    touched = sum(lin.touched_bytes for lin in sparse)
+    return {"kernel_rows_ratio": touched / ledger, "kernel_weight_bytes_per_token": (touched + other) / NEW,
+            "kernel_sparse_linears": len(sparse)}
 
 
 def crossover(reps: int = 3) -> None:
@@ -136,16 +163,24 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__)
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--quick", action="store_true", help="SmolLM2 rows only")
+    ap.add_argument("--models", default="", help="comma-separated models of GRID to run (default: all)")
+    ap.add_argument("--options", default="", help="comma-separated quant/kv/sparsity of GRID, e.g. none/int8/0")
+    ap.add_argument("--no-ppl", action="store_true", help="speed and bytes only (perplexity: the full run's)")
+    ap.add_argument("--no-kernels", action="store_true", help="skip the gathered-vs-dense kernel table")
     ap.add_argument("--json", default="bench/bytes.json")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
-    crossover()
+    if not args.no_kernels:
+        crossover()
+    models = set(args.models.split(",")) if args.models else {"smollm2-135m"} if args.quick else None
+    options = {tuple(o.split("/")) for o in args.options.split(",")} if args.options else None
     rows: list[dict] = []
     refs: dict[str, dict] = {}
     for model, quant, kv, sp in GRID:
-        if args.quick and model != "smollm2-135m":
+        if (models and model not in models) or (options and (quant, kv, f"{sp:g}") not in options):
             continue
-        r = run_option(model, quant, kv, sp, refs.get(model), long_ppl=(sp == 0.0 and model == "smollm2-135m"))
+        r = run_option(model, quant, kv, sp, refs.get(model), not args.no_ppl,
+                       long_ppl=(sp == 0.0 and model == "smollm2-135m"))
         refs.setdefault(model, r)
         rows.append(r)
         print(f"{model} {quant}/{kv}/{sp}: done in {r['seconds']:.0f} s", flush=True)
@@ -156,10 +191,18 @@ def main() -> None:
         print(f"| {r['model']} | {r['quantization']} | {r['kv_dtype']} | {r['sparsity']:g} | "
               f"{r['weight_bytes_per_token'] / 1e6:.1f} | {r['kv_bytes_per_token_512'] / 1e3:.0f} / "
               f"{r['kv_bytes_per_token_4096'] / 1e3:.0f} | {r['tps_b1_512']:.1f} | {r['tps_b8_512']:.1f} | "
-              f"{r['tps_b1_4096']:.1f} | {r['tps_b8_4096']:.1f} | {r['ppl']:.3f} | "
+              f"{r['tps_b1_4096']:.1f} | {r['tps_b8_4096']:.1f} | {r.get('ppl', float('nan')):.3f} | "
               f"{r.get('ppl_long', float('nan')):.3f} | {r.get('agreement', 1.0):.2f} |")
+    for r in rows:
+        if "kernel_rows_ratio" in r:
+            print(f"kernel count {r['model']} {r['quantization']}/{r['kv_dtype']}/{r['sparsity']:g}: "
+                  f"{r['kernel_sparse_linears']} sparse linears read {r['kernel_weight_bytes_per_token'] / 1e6:.1f} MB "
+                  f"per token (with norms and embedding rows); rows touched / ledger rows "
+                  f"{r['kernel_rows_ratio']:.3f}")
     for model in refs:
         mr = [r for r in rows if r["model"] == model]
+        if len(mr) < 2:
+            continue
         bw, t0, r2 = fit(mr)
         print(f"\nfit {model}: s/token = {t0 * 1e3:.1f} ms + bytes / {bw / 1e9:.2f} GB/s  (R² {r2:.2f}, batch 1)")
         for r in mr:

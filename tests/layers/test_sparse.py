@@ -23,7 +23,8 @@ from tokenhaul.ledger.costs import ModelCosts, step_costs
 CPU = torch.device("cpu")
 INNER = {  # storage → (build the wrapped linear, tolerance of sparse vs the wrapped linear on the zeroed input,
     # as a share of the output's max |y|): float rows are the same values; int8 rows are requantized per input
-    # channel (<1 %), int4 rows per 64 outputs on top of groups of 32 (about int4 g32 own error again: <14 %)
+    # channel (<1 %), int4 rows per 64 outputs on top of groups of 32 (about int4 g32 own error again: <14 %).
+    # 96 outputs: a partial 64-wide strip in the fused kernel (sparse_gemv.cpp)
     "fp32": (lambda w: DenseLinear.build([w], None, torch.float32, CPU), 1e-5),
     "bf16": (lambda w: DenseLinear.build([w], None, torch.bfloat16, CPU), 1e-2),
     "int8": (lambda w: Int8Linear.build([w], None, torch.bfloat16, CPU), 3e-2),
@@ -32,7 +33,7 @@ INNER = {  # storage → (build the wrapped linear, tolerance of sparse vs the w
 
 
 @pytest.mark.parametrize("storage", list(INNER))
-@pytest.mark.parametrize("shape,rows", [((128, 64), 1), ((192, 96), 2), ((64, 160), 5)])
+@pytest.mark.parametrize("shape,rows", [((128, 64), 1), ((192, 96), 2), ((96, 64), 2), ((64, 160), 5)])
 def test_sparse_matches_wrapped_linear_on_zeroed_input(storage, shape, rows):
     g = torch.Generator().manual_seed(zlib.crc32(f"{storage}{shape}{rows}".encode()))
     w = torch.randn(*shape, generator=g) * 0.1
@@ -80,7 +81,7 @@ def test_calibration_reaches_target_and_sparsify_counts_bytes():
     model = tiny_model()
     llm = _calibration_llm(model)
     th = calibrate(llm, (0.4,))["0.4"]
-    assert set(th) == {f"blk.{i}.{n}" for i in range(2) for n in ("qkv", "o", "gate_up", "down")}
+    assert set(th) == {f"blk.{i}.{n}" for i in range(2) for n in ("qkv", "o", "gate_up", "down")} | {"lm_head"}
     # achieved share on the same sample (all its values): within 2 points of the target for each projection
     from tokenhaul.layers import sparse_calibration as sc
 
@@ -95,9 +96,18 @@ def test_calibration_reaches_target_and_sparsify_counts_bytes():
                 seen.setdefault(key, []).append((int((x.abs() < th[key]).sum()), x.numel()))
                 return inner(x)
             setattr(layer, n, rec)
+    forward = model.forward
+
+    def head_input(*args):  # the lm_head's input is the forward's output
+        x = forward(*args)
+        seen.setdefault("lm_head", []).append((int((x.abs() < th["lm_head"]).sum()), x.numel()))
+        return x
+    model.forward = head_input
     calibrate(llm, (0.4,))  # runs the sample again through the recording wrappers
     for (i, n), inner in recorders.items():
         setattr(model.layers[i], n, inner)
+    model.forward = forward
+    assert set(seen) == set(th)
     for key, counts in seen.items():
         below, total = map(sum, zip(*counts))
         assert abs(below / total - 0.4) < 0.02, key
@@ -106,9 +116,12 @@ def test_calibration_reaches_target_and_sparsify_counts_bytes():
     mc = ModelCosts.from_model(model, 4)
     assert mc.sparsity == 0.4 and mc.sparse_rows == ((2, dense.layer_weight_bytes),)  # fp32 rows: gathered ≤ 2
     assert mc.sparse_row_bytes == mc.layer_weight_bytes == dense.layer_weight_bytes
+    assert mc.lm_head_max_rows == 2 and mc.lm_head_bytes == dense.lm_head_bytes  # the lm_head's rows, sparse too
     one = step_costs(mc, [(10, 1)], 1).weight_bytes
-    assert one == step_costs(dense, [(10, 1)], 1).weight_bytes - round(0.4 * mc.sparse_row_bytes)
-    assert step_costs(mc, [(0, 9)], 1).weight_bytes == step_costs(dense, [(0, 9)], 1).weight_bytes  # dense path
+    head_saved = dense.lm_head_bytes - round(0.6 * mc.lm_head_bytes)
+    assert one == step_costs(dense, [(10, 1)], 1).weight_bytes - round(0.4 * mc.sparse_row_bytes) - head_saved
+    # 9 rows: the layers take the dense path; the lm_head still sees only the sampled row
+    assert step_costs(mc, [(0, 9)], 1).weight_bytes == step_costs(dense, [(0, 9)], 1).weight_bytes - head_saved
     int8 = SparseLinear.wrap(Int8Linear.build([torch.randn(64, 64)], None, torch.bfloat16, CPU), 0.1)
     assert int8.max_rows == 16  # int8 rows have no cheap dense pass: gathered for decode batches
 
@@ -117,3 +130,12 @@ def test_calibration_reaches_target_and_sparsify_counts_bytes():
 def test_bad_sparsity_is_one_clear_error(bad):
     with pytest.raises(TokenhaulError, match="--sparsity must be"):
         EngineConfig(sparsity=bad)
+
+
+def test_cli_bad_sparsity_one_line(capsys):
+    from tokenhaul.cli import main
+
+    with pytest.raises(SystemExit) as e:
+        main(["generate", "--prompt", "hi", "--sparsity", "1.5"])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert e.value.code == 2 and len(err) == 1 and err[0].startswith("error: --sparsity must be"), err

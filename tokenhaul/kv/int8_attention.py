@@ -1,32 +1,26 @@
 """Decode attention over an int8 KV cache without a float copy of it: `torch.ops.tokenhaul_kv.decode_int8`.
 
-A small C++ kernel (int8_attention.cpp, built on first use with torch.utils.cpp_extension, cached in
-TORCH_EXTENSIONS_DIR, ~25 s on 2 cores) reads each sequence's int8 blocks through its block table and
-applies the per-token scales to the scores and softmax weights, so no dequantized K/V is ever written.
-Registered as a torch op with a fake implementation, so a compiled graph can call it too. Without a C++
-compiler the engine falls back to dequantize-then-SDPA (one stderr line says so).
+A small C++ kernel (int8_attention.cpp, built on first use: tokenhaul/native.py) reads each sequence's int8
+blocks through its block table and applies the per-token scales to the scores and softmax weights, so no
+dequantized K/V is ever written.
+A torch op with a fake implementation, so a compiled graph can call it too. Without a C++ compiler the
+engine falls back to dequantize-then-SDPA (one stderr line says so).
 """
 
 from __future__ import annotations
 
-import os
-import sys
 from pathlib import Path
 
 import torch
+
+from tokenhaul import native
 
 SOURCE = Path(__file__).with_name("int8_attention.cpp")
 # Blocks of keys per thread task: 32 x 16 keys. Small enough that one 4 k sequence splits into 8 chunks per
 # KV head (all threads busy at batch 1), large enough that merging the partial softmaxes costs nothing.
 CHUNK_BLOCKS = 32
 
-_state: dict[str, bool] = {}
-
-
-def _flags() -> list[str]:
-    """-mavx2 -mfma where torch itself runs its AVX2 kernels: the cached build then runs on this CPU."""
-    simd = ["-mavx2", "-mfma"] if torch.backends.cpu.get_cpu_capability() in ("AVX2", "AVX512") else []
-    return ["-O3", *simd]
+_faked: list[bool] = []
 
 
 def _fake(q, kd, ks, vd, vs, table, mask, scale, chunk_blocks):  # shapes for torch.compile
@@ -35,20 +29,12 @@ def _fake(q, kd, ks, vd, vs, table, mask, scale, chunk_blocks):  # shapes for to
 
 def available() -> bool:
     """Build (once per machine) and load the kernel; False, with one stderr line, if that fails."""
-    if "ok" not in _state:
-        from torch.utils.cpp_extension import load
-
-        name = "tokenhaul_kv_int8_" + ("avx2" if "-mavx2" in _flags() else "generic")
-        try:
-            load(name, [str(SOURCE)], extra_cflags=_flags(), is_python_module=False,
-                 verbose=bool(os.environ.get("TOKENHAUL_VERBOSE_BUILD")))
-            torch.library.register_fake("tokenhaul_kv::decode_int8", _fake)
-            _state["ok"] = True
-        except Exception as e:  # no compiler / headers: the dequantizing path still gives the same answers
-            print(f"tokenhaul: int8 KV decode kernel not built ({type(e).__name__}: {str(e)[:200]}); "
-                  "int8 KV decodes dequantize a float copy instead (slower)", file=sys.stderr)
-            _state["ok"] = False
-    return _state["ok"]
+    if not native.load(SOURCE, "int8 KV decodes dequantize a float copy instead (slower)"):
+        return False
+    if not _faked:
+        torch.library.register_fake("tokenhaul_kv::decode_int8", _fake)
+        _faked.append(True)
+    return True
 
 
 def decode_int8(q: torch.Tensor, k_data: torch.Tensor, k_scale: torch.Tensor, v_data: torch.Tensor,

@@ -14,10 +14,12 @@ bag per output group (the gathered rows of a group stay contiguous: 36 bytes).
 from __future__ import annotations
 
 import sys
+from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 
+from tokenhaul import native
 from tokenhaul.layers.linear import Linear, register
 
 # Rows at or under which the gathered kernel runs: bench/bytes.py's crossover (all 120 SmolLM2 projections,
@@ -29,6 +31,7 @@ MAX_ROWS = 2
 # than int8pack in bench/bytes.py) while 8 gathered rows cost 0.89x a dense pass: gather up to 16 rows.
 MAX_ROWS_INT8 = 16
 GROUP4 = 64  # outputs per 4-bit row group
+SOURCE = Path(__file__).with_name("sparse_gemv.cpp")
 
 
 def _rowwise_int8(wt: torch.Tensor) -> torch.Tensor:
@@ -52,6 +55,10 @@ class SparseLinear(Linear):
         self.max_rows = max_rows
         self.sparsity = sparsity  # the calibrated target share of inputs under the threshold (for the ledger)
         self.touched_bytes = 0  # bytes of weight rows the kernels read since the last reset (tests, bench)
+        # int8 and bf16 rows have a fused gathered GEMV (sparse_gemv.cpp): the torch path below costs ~10 small
+        # ops per call, which ate the bytes it saved on a quiet machine (int8: 0.78x dense, bench/bytes.py)
+        self.fused = (storage == "int8" or rows.dtype == torch.bfloat16) and native.load(
+            SOURCE, "sparse GEMVs run as several torch ops instead (slower)")
 
     @classmethod
     def wrap(cls, inner: Linear, threshold: float, max_rows: int | None = None,
@@ -71,6 +78,11 @@ class SparseLinear(Linear):
         return cls(rows, storage, threshold, inner.out_features, inner.bias, max_rows, sparsity)
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        if x.shape[0] <= self.max_rows and self.fused:  # one C++ call: find the kept inputs, read their rows
+            y, kept = torch.ops.tokenhaul_sparse.gemv(x.float().contiguous(), self.threshold, self.rows,
+                                                      self.out_features)
+            self.touched_bytes += int(kept.sum()) * self.row_bytes
+            return self._add_bias(y).to(x.dtype)
         keep = x.abs() >= self.threshold
         if x.shape[0] > self.max_rows:
             return self._add_bias(self._dense(torch.where(keep, x, 0))).to(x.dtype)
@@ -121,7 +133,7 @@ class SparseLinear(Linear):
         return [self.rows] + ([] if self.bias is None else [self.bias])
 
 
-SPARSE_LINEARS = ("qkv", "o", "gate_up", "down")  # every projection of a layer; the lm_head stays dense
+SPARSE_LINEARS = ("qkv", "o", "gate_up", "down")  # every projection of a layer; and the lm_head, keyed "lm_head"
 
 
 def sparsify(model, thresholds: dict[str, float], sparsity: float, max_rows: int | None = None) -> None:
@@ -135,3 +147,5 @@ def sparsify(model, thresholds: dict[str, float], sparsity: float, max_rows: int
             if key in thresholds and hasattr(layer, name):
                 setattr(layer, name, SparseLinear.wrap(getattr(layer, name), thresholds[key], max_rows,
                                                                   sparsity))
+    if "lm_head" in thresholds:  # a tied 0.5B head is 28 % of the int8 bytes: dense, it held the saving under 30 %
+        model.lm_head = SparseLinear.wrap(model.lm_head, thresholds["lm_head"], max_rows, sparsity)

@@ -20,7 +20,7 @@ LEVELS = (0.25, 0.4, 0.5)  # computed together from one pass; others are added o
 WINDOW = 512
 TOKENS_PER_PART = 1024
 SAMPLES_PER_CALL = 32768  # |x| values kept per projection call (uniform, seeded) for the quantiles
-VERSION = 1
+VERSION = 2  # 2: the lm_head input too
 
 
 class _Recorder:
@@ -34,7 +34,7 @@ class _Recorder:
         if a.numel() > SAMPLES_PER_CALL:
             a = a[torch.randint(a.numel(), (SAMPLES_PER_CALL,), generator=self.gen)]
         self.samples.append(a.cpu())
-        return self.inner(x)
+        return self.inner(x) if self.inner is not None else x
 
 
 def sample_ids(tokenizer, window: int = WINDOW) -> list[list[int]]:
@@ -48,7 +48,7 @@ def sample_ids(tokenizer, window: int = WINDOW) -> list[list[int]]:
 
 @torch.inference_mode()
 def calibrate(llm, levels: tuple[float, ...] = LEVELS) -> dict[str, dict[str, float]]:
-    """{level: {"blk.{i}.{proj}": threshold}} from the model as loaded (dense, before sparsify)."""
+    """{level: {"blk.{i}.{proj}" or "lm_head": threshold}} from the model as loaded (dense, before sparsify)."""
     model, core = llm.model, llm.core
     gen = torch.Generator().manual_seed(0)
     recorders: dict[str, _Recorder] = {}
@@ -56,17 +56,20 @@ def calibrate(llm, levels: tuple[float, ...] = LEVELS) -> dict[str, dict[str, fl
         for name in SPARSE_LINEARS:
             recorders[f"blk.{i}.{name}"] = rec = _Recorder(getattr(layer, name), gen)
             setattr(layer, name, rec)
+    recorders["lm_head"] = head = _Recorder(None, gen)  # samples only: no logits needed
     try:
         window = min(WINDOW, core.max_model_len - 1, core.config.max_num_batched_tokens)  # one prefill chunk
         for ids in sample_ids(llm.tokenizer, window):
             core.add_request("calibrate", ids, SamplingParams(max_tokens=1))
             try:
                 inp = core.runner.prepare(core.scheduler.schedule())
-                model.forward(inp.input_ids, inp.meta, core.kv)
+                head(model.forward(inp.input_ids, inp.meta, core.kv))  # the lm_head's input, every position
             finally:
                 core.abort("calibrate")
     finally:
         for key, rec in recorders.items():
+            if key == "lm_head":
+                continue
             i, name = key.split(".")[1:]
             setattr(model.layers[int(i)], name, rec.inner)
     q = torch.tensor(levels, dtype=torch.float32)

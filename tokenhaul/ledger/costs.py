@@ -34,11 +34,12 @@ class ModelCosts:
     kv_itemsize: float = 4  # stored bytes per K/V value (int8: 1 + its share of the per-token-per-head scale)
     compute_itemsize: int = 4  # attention runs in fp32: the gathered K/V is converted to it
     device: str = "cpu"
-    kv_quantized: bool = False  # int8 K/V: dequantized on read by a convert then an in-place scale (kv/int8.py)
+    kv_quantized: bool = False  # int8 K/V: prefill dequantizes a copy (kv/int8.py); decodes read int8 in place
     # activation sparsity (layers/linear_sparse.py): the share of inputs zeroed, and per "most rows the gathered
     # kernel runs" the bytes of the sparse projections' input-channel rows (inside layer_weight_bytes)
     sparsity: float = 0.0
     sparse_rows: tuple[tuple[int, int], ...] = ()  # (max_rows, row bytes)
+    lm_head_max_rows: int = 0  # a sparse lm_head gathers its kept input rows up to this many sampled rows
 
     @property
     def sparse_row_bytes(self) -> int:
@@ -74,11 +75,13 @@ class ModelCosts:
                     norms.add(id(v))
                     norm_bytes += v.weight.nbytes
         embed = model.embed  # packed or dense: a gather reads whole stored rows
+        head_rows = model.lm_head.max_rows if hasattr(model.lm_head, "threshold") else 0
         return cls(c, layer_bytes, model.lm_head.weight_bytes, embed.row_bytes,
                    norm_bytes, round(2 * c.num_layers * c.num_kv_heads * c.head_dim * kv_itemsize),
                    layer_params, model.lm_head.in_features * model.lm_head.out_features,
                    kv_itemsize=kv_itemsize, device=embed.device.type, weight_formats=tuple(formats.items()),
-                   kv_quantized=kv_itemsize < 2, sparsity=sparsity, sparse_rows=tuple(sorted(sparse.items())))
+                   kv_quantized=kv_itemsize < 2, sparsity=sparsity, sparse_rows=tuple(sorted(sparse.items())),
+                   lm_head_max_rows=head_rows)
 
     @classmethod
     def from_config(cls, c: ModelConfig, weight_bits: float = 16.0, kv_itemsize: float = 2.0,
@@ -194,6 +197,7 @@ def step_costs(mc: ModelCosts, chunks: list[tuple[int, int]], num_sampled: int,
     if T == 0:
         return StepCosts()
     gathered = 0  # slots gathered per layer for K (and as many for V)
+    direct = 0  # int8 decode slots: kv/int8_attention.py reads them in place, dequantizing in registers
     attn = 0  # Σ queries × keys computed
     meta = mask_alias = pad = 0
     for n, ends in attn_groups:
@@ -201,6 +205,7 @@ def step_costs(mc: ModelCosts, chunks: list[tuple[int, int]], num_sampled: int,
         nb = max(-(-e // block_size) for e in ends)
         L = nb * block_size
         gathered += B * L
+        direct += B * L if n == 1 and mc.kv_quantized else 0
         attn += B * n * L
         meta += B * nb * ID_BYTES  # block table, padded to the group's longest
         if n == 1 or B > 1:
@@ -220,6 +225,8 @@ def step_costs(mc: ModelCosts, chunks: list[tuple[int, int]], num_sampled: int,
     kv_tok = mc.kv_bytes_per_token
     kv_read = gathered * kv_tok
     ratio = mc.compute_itemsize / mc.kv_itemsize
+    if mc.kv_quantized:  # prefill chunks dequantize a copy, viewed or gathered; decodes copy nothing
+        gathered, view_slots = gathered - direct, 0
     copied = (gathered - view_slots) * kv_tok
     gather = copied  # the contiguous copy, written at the cache dtype...
     if mc.kv_itemsize != mc.compute_itemsize:  # ...read back and converted to the compute dtype...
@@ -230,6 +237,8 @@ def step_costs(mc: ModelCosts, chunks: list[tuple[int, int]], num_sampled: int,
     if mc.kv_quantized:  # the in-place scaling pass over the dequantized values: read and written
         gather += 2 * int(gathered * kv_tok * ratio)
     lm_head = mc.lm_head_bytes if num_sampled else 0
+    if 0 < num_sampled <= mc.lm_head_max_rows:  # a sparse lm_head: each sampled row reads its kept inputs' rows
+        lm_head = round(mc.lm_head_bytes * num_sampled * (1 - mc.sparsity))
     layer_bytes = mc.layer_weight_bytes
     for max_rows, row_bytes in mc.sparse_rows:  # gathered GEMVs: each row reads only its kept inputs' rows
         if T <= max_rows:
