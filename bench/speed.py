@@ -3,6 +3,7 @@
 the roofline fraction (ledger DRAM bytes per token × tokens/s ÷ calibrated read bandwidth). JSON saved.
 
     flock /tmp/tokenhaul-bench.lock .venv/bin/python bench/speed.py --out bench/speed.json
+    ... --compile off,on --batches "" --no-hf   # batch-1 decode eager vs compiled, in one run
 """
 
 from __future__ import annotations
@@ -38,7 +39,7 @@ def timed(llm: LLM, prompts, n: int) -> tuple[float, list]:
     return time.perf_counter() - t0, outs
 
 
-def tokenhaul_row(llm: LLM, new: int, batches: list[int], bandwidth: float) -> dict:
+def tokenhaul_row(llm: LLM, new: int, batches: list[int], bandwidth: float, prefill: bool = True) -> dict:
     prompt = synthetic_prompt(64)
     timed(llm, [prompt], 4)  # warm up
     t1, _ = timed(llm, [prompt], 1)
@@ -51,6 +52,8 @@ def tokenhaul_row(llm: LLM, new: int, batches: list[int], bandwidth: float) -> d
     for b in batches:
         wall, outs = timed(llm, [synthetic_prompt(64, seed=i) for i in range(b)], new)
         row[f"decode_{b}"] = sum(len(o.token_ids) for o in outs) / wall
+    if not prefill:
+        return row
     long = synthetic_prompt(512, seed=99)
     timed(llm, [long[:256]], 1)
     wall, _ = timed(llm, [long], 1)
@@ -71,23 +74,37 @@ def main() -> None:
     ap.add_argument("--new-tokens", type=int, default=32)
     ap.add_argument("--batches", default="8,32")
     ap.add_argument("--quantization", default="auto")
+    ap.add_argument("--compile", default=None,
+                    help="comma list of --compile modes (auto, on, off): batch-1 decode is measured under each, the "
+                         "full row under the last; default: the engine's default only")
     ap.add_argument("--no-hf", action="store_true")
     ap.add_argument("--out", default="bench/speed.json")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
-    batches = [int(b) for b in args.batches.split(",")]
+    batches = [int(b) for b in args.batches.split(",") if b]
     roof = machine_roofline("cpu")
     result = {"date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "machine": platform.processor() or
               platform.machine(), "threads": args.threads, "torch": torch.__version__,
               "bandwidth_gb_per_s": roof.bandwidth / 1e9, "quantization": args.quantization,
               "openmp_wait": openmp_wait(), "models": {}}
+    modes = args.compile.split(",") if args.compile else [None]
     for model in args.models.split(","):
-        llm = LLM(model, threads=args.threads, quantization=args.quantization, max_num_seqs=64,
-                  max_num_batched_tokens=2048, enable_prefix_caching=False)
-        gguf = llm.files.gguf_path
-        th = tokenhaul_row(llm, args.new_tokens, batches, roof.bandwidth)
-        del llm
-        gc.collect()
+        decode_1 = {}
+        for mode in modes:
+            t0 = time.perf_counter()
+            llm = LLM(model, threads=args.threads, quantization=args.quantization, max_num_seqs=64,
+                      max_num_batched_tokens=2048, enable_prefix_caching=False,
+                      **({"compile": mode} if mode else {}))
+            load_s = time.perf_counter() - t0
+            gguf = llm.files.gguf_path
+            compiled = llm.core.runner.compiled
+            th = tokenhaul_row(llm, args.new_tokens, batches if mode == modes[-1] else [], roof.bandwidth,
+                               prefill=mode == modes[-1])
+            decode_1[llm.config.compile] = {"decode_1": th["decode_1"], "load_s": load_s,
+                                            "compile_s": compiled.compile_seconds if compiled else None}
+            del llm, compiled
+            gc.collect()
+        th["compile"] = decode_1
         lc = llamacpp_speed(gguf, synthetic_prompt(64), args.new_tokens, args.threads)
         lc_row = {"decode_1": lc["decode_tokens_per_s"],
                   "prefill_512": llamacpp_speed(gguf, synthetic_prompt(512, seed=99), 2,
@@ -125,6 +142,11 @@ def table(res: dict) -> str:
             hf_s = f"{hf:.1f} | {th / hf:.2f}×" if hf else "– | –"
             lines.append(f"| {model} | {c.replace('_', ' ')} | {th:.1f} | {lc:.1f} | {th / lc:.2f}× | {hf_s} |")
         t = e["tokenhaul"]
+        lc = e["llama.cpp"]["decode_1"]
+        for mode, m in t.get("compile", {}).items():
+            comp = f", compile {m['compile_s']:.1f} s" if m["compile_s"] else ""
+            lines.append(f"| {model} | decode 1, --compile {mode} (load {m['load_s']:.1f} s{comp}) | "
+                         f"{m['decode_1']:.1f} | {lc:.1f} | {m['decode_1'] / lc:.2f}× | | |")
         lines.append(f"| {model} | roofline fraction, batch 1 | {t['roofline_fraction_1']:.0%} "
                      f"({t['dram_bytes_per_token'] / 1e6:.0f} MB/token) | | | | |")
     return "\n".join(lines)
