@@ -40,10 +40,10 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--deterministic", action="store_true",
                    help="batch-invariant attention: temperature 0 gives the same tokens whatever else is batched "
                         "or cached (slower prefill, see bench/RESULTS.md)")
-    p.add_argument("--compile", default=os.environ.get("TOKENHAUL_COMPILE", "off"), choices=("auto", "on", "off"),
-                   help="batch-1 decode as one compiled graph (torch.compile, C++): auto = with bf16 on the CPU, "
-                        "compiled in the background while the first tokens decode eagerly (cold ~1 min, cached after); "
-                        "on = compile before the first step; off = eager")
+    p.add_argument("--compile", default=os.environ.get("TOKENHAUL_COMPILE", "auto"), choices=("auto", "on", "off"),
+                   help="batch-1 decode as one compiled graph (torch.compile, C++ via g++): auto (default) = with "
+                        "bf16 on the CPU, compiled at start when compiled before (seconds), else this run stays "
+                        "eager while a detached process compiles for the next (~1 min); on = compile at start; off")
     p.add_argument("--itl-target-ms", type=float, default=0.0,
                    help="inter-token budget: prefill chunks are sized so a step's predicted time stays under it "
                         "(or under 1.5x the decodes' own, if more) "

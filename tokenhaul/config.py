@@ -37,8 +37,8 @@ class EngineConfig:
     quantization: str = "auto"  # auto | none | int8 | int4[:32|64|128]; see layers/quantization.py
     deterministic: bool = False  # batch-invariant attention: same tokens whatever is batched or cached (costs
     # prefill time, bench/determinism.py)
-    compile: str = field(default_factory=lambda: os.environ.get("TOKENHAUL_COMPILE", "off"))  # batch-1 decode as
-    # one compiled graph (engine/compiled_decode.py): auto (bf16 on CPU, compiled in the background) | on | off
+    compile: str = field(default_factory=lambda: os.environ.get("TOKENHAUL_COMPILE", "auto"))  # batch-1 decode as
+    # one compiled graph (engine/compiled_decode.py): auto (bf16 on CPU, once compiled into inductor's cache) | on | off
 
     def __post_init__(self) -> None:
         if self.dtype not in DTYPES:
