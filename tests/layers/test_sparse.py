@@ -122,8 +122,11 @@ def test_calibration_reaches_target_and_sparsify_counts_bytes():
     assert one == step_costs(dense, [(10, 1)], 1).weight_bytes - round(0.4 * mc.sparse_row_bytes) - head_saved
     # 9 rows: the layers take the dense path; the lm_head still sees only the sampled row
     assert step_costs(mc, [(0, 9)], 1).weight_bytes == step_costs(dense, [(0, 9)], 1).weight_bytes - head_saved
-    int8 = SparseLinear.wrap(Int8Linear.build([torch.randn(64, 64)], None, torch.bfloat16, CPU), 0.1)
-    assert int8.max_rows == 16  # int8 rows have no cheap dense pass: gathered for decode batches
+    packed = Int8Linear.build([torch.randn(64, 64)], None, torch.bfloat16, CPU)
+    int8 = SparseLinear.wrap(packed, 0.1)
+    assert int8.max_rows == 1 and int8.packed is packed  # batches run int8pack itself on the zeroed inputs
+    x = torch.randn(3, 64, dtype=torch.bfloat16)
+    assert torch.equal(int8(x), packed(torch.where(x.abs() >= 0.1, x, 0)))
 
 
 @pytest.mark.parametrize("bad", [1.5, -0.1, 0.95])

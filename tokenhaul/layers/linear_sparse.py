@@ -2,9 +2,10 @@
 weight columns of those inputs are never read.
 
 The weight is stored by input channel, `[in, out]`: one contiguous row per input, so a skipped input's
-bytes are never touched. A step of up to `max_rows` rows runs `embedding_bag` over each row's kept inputs
-(a gathered GEMV: Σ x_i · W[i, :] over kept i, no copy of the rows); bigger steps (prefill, large
-batches, where the rows' kept sets together cover most inputs) run one dense GEMM on the zeroed inputs.
+bytes are never touched. A step of up to `max_rows` rows runs a gathered GEMV over each row's kept inputs
+(Σ x_i · W[i, :] over kept i, no copy of the rows: sparse_gemv.cpp for bf16 and int8 rows, `embedding_bag`
+otherwise); bigger steps (prefill, batches, where the rows' kept sets together cover most inputs) run one
+dense pass on the zeroed inputs (a packed format's own kernel, kept beside the rows).
 Storage follows the wrapped linear's bits: float rows as they are ("dense"); "int8" rows quantized per
 input channel (fbgemm's rowwise layout: uint8 values then an fp32 scale and offset per row); "int4" rows
 split into groups of GROUP4 outputs, each 4-bit with an fp16 scale and offset (4.5 bits per weight), one
@@ -22,14 +23,14 @@ import torch.nn.functional as F
 from tokenhaul import native
 from tokenhaul.layers.linear import Linear, register
 
-# Rows at or under which the gathered kernel runs: bench/bytes.py's crossover (all 120 SmolLM2 projections,
-# sparsity 0.4, 2026-11-30): dense / gathered time at M=1, 2, 4 rows: bf16 1.62, 1.00, 0.97; int8 1.51,
-# 1.17, 0.98. Past 2 rows B gathered GEMVs read more than one dense pass. 4-bit bags are 0.34x dense int4
-# even at M=1 (fbgemm's 4-bit embedding_bag vs the int4pack kernel): bytes fall, time does not.
+# Rows at or under which the gathered kernel runs: bench/bytes.py's kernel table (all 120 SmolLM2 projections,
+# sparsity 0.4, quiet machine, 2026-11-30 22:35, fused kernel): dense / gathered time at M=1, 2, 4 rows: bf16
+# 1.56, 1.03, 0.76; int8 0.88, 0.73, 0.57 (int8pack's GEMV streams ~10 GB/s; gathered rowwise-int8 rows do
+# not beat it even at 40 % fewer bytes). 4-bit bags: 0.18x dense int4 at M=1: bytes fall, time does not.
 MAX_ROWS = 2
-# int8 rows have no cheap dense pass (it dequantizes the whole weight per call: batch 8 ran 2-2.6x slower
-# than int8pack in bench/bytes.py) while 8 gathered rows cost 0.89x a dense pass: gather up to 16 rows.
-MAX_ROWS_INT8 = 16
+# int8 (and int4) rows gather only for batch-1 decodes; bigger steps run the packed linear itself (kept beside
+# the rows) on the zeroed inputs: 8 rows cost 0.59x a dense int8pack pass gathered, ~2x through dequantized rows.
+MAX_ROWS_PACKED = 1
 GROUP4 = 64  # outputs per 4-bit row group
 SOURCE = Path(__file__).with_name("sparse_gemv.cpp")
 
@@ -44,7 +45,8 @@ class SparseLinear(Linear):
     """Wraps a built linear's weight as input-channel rows with a threshold; see the module docstring."""
 
     def __init__(self, rows: torch.Tensor, storage: str, threshold: float, out_features: int,
-                 bias: torch.Tensor | None, max_rows: int = MAX_ROWS, sparsity: float = 0.0) -> None:
+                 bias: torch.Tensor | None, max_rows: int = MAX_ROWS, sparsity: float = 0.0,
+                 packed: Linear | None = None) -> None:
         self.rows = rows  # [in, out] (bf16 / fp32) or [in, out + 8] uint8 rowwise int8
         self.storage = storage  # "dense" (float rows) or "int8"
         self.threshold = threshold
@@ -55,6 +57,7 @@ class SparseLinear(Linear):
         self.max_rows = max_rows
         self.sparsity = sparsity  # the calibrated target share of inputs under the threshold (for the ledger)
         self.touched_bytes = 0  # bytes of weight rows the kernels read since the last reset (tests, bench)
+        self.packed = packed  # the wrapped packed linear: the dense pass for steps over max_rows
         # int8 and bf16 rows have a fused gathered GEMV (sparse_gemv.cpp): the torch path below costs ~10 small
         # ops per call, which ate the bytes it saved on a quiet machine (int8: 0.78x dense, bench/bytes.py)
         self.fused = (storage == "int8" or rows.dtype == torch.bfloat16) and native.load(
@@ -73,9 +76,10 @@ class SparseLinear(Linear):
             rows, storage = torch.ops.quantized.embedding_bag_4bit_prepack(wt.contiguous()), "int4"
         else:
             rows, storage = _rowwise_int8(inner.dequantize(torch.float32).t()), "int8"
+        packed = inner if storage != "dense" else None
         if max_rows is None:
-            max_rows = MAX_ROWS_INT8 if storage == "int8" else MAX_ROWS
-        return cls(rows, storage, threshold, inner.out_features, inner.bias, max_rows, sparsity)
+            max_rows = MAX_ROWS if packed is None else MAX_ROWS_PACKED
+        return cls(rows, storage, threshold, inner.out_features, inner.bias, max_rows, sparsity, packed)
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         if x.shape[0] <= self.max_rows and self.fused:  # one C++ call: find the kept inputs, read their rows
@@ -84,6 +88,9 @@ class SparseLinear(Linear):
             self.touched_bytes += int(kept.sum()) * self.row_bytes
             return self._add_bias(y).to(x.dtype)
         keep = x.abs() >= self.threshold
+        if x.shape[0] > self.max_rows and self.packed is not None:
+            self.touched_bytes += self.rows.nbytes  # the same weights in the packed layout, all of them
+            return self.packed(torch.where(keep, x, 0))
         if x.shape[0] > self.max_rows:
             return self._add_bias(self._dense(torch.where(keep, x, 0))).to(x.dtype)
         if x.shape[0] == 1:  # batch-1 decode: fewer small ops
@@ -114,14 +121,6 @@ class SparseLinear(Linear):
 
     def _dense(self, x: torch.Tensor) -> torch.Tensor:
         self.touched_bytes += self.rows.nbytes
-        if self.storage == "int4":
-            w = torch.ops.quantized.embedding_bag_4bit_unpack(self.rows).view(self.in_features, -1)
-            return (x.to(torch.bfloat16) @ w.to(torch.bfloat16)).float()
-        if self.storage == "int8":
-            w = self.rows[:, :self.out_features].to(torch.bfloat16)
-            sb = self.rows[:, self.out_features:].contiguous().view(torch.float32)  # [in, 2] scale, offset
-            w = torch.addcmul(sb[:, 1:].bfloat16(), w, sb[:, :1].bfloat16())
-            return (x.to(torch.bfloat16) @ w).float()
         return (x.to(self.rows.dtype) @ self.rows).float()
 
     @property
