@@ -44,6 +44,7 @@ GRID = [
     ("qwen2.5-coder-0.5b", "int8", "bf16", 0.4),
 ]
 NEW = 24  # decoded tokens per measurement
+CONTEXTS = [512, 4096]  # --contexts 512 drops the 4 k cells
 REPEATS = 3  # measurements per cell, median (12 tokens once let one disturbed step move a cell by 40 %)
 
 
@@ -73,7 +74,7 @@ def run_option(model: str, quant: str, kv: str, sparsity: float, ref: dict | Non
     row = {"model": model, "quantization": quant, "kv_dtype": kv, "sparsity": sparsity, "load_s": load_s}
     llm.generate([1, 2, 3, 4], SamplingParams(max_tokens=2))  # warm up
     p512 = text_prompts(llm, 8, 500)
-    for ctx, base in ((512, p512), (4096, None)):
+    for ctx, base in ((512, p512), (4096, None))[:len(CONTEXTS)]:
         if base is None:  # one 4080-token prefix, cached once; 8 sequences differ in their last tokens
             prefix = text_prompts(llm, 1, 4080)[0]
             llm.generate(prefix, SamplingParams(max_tokens=1))
@@ -87,6 +88,8 @@ def run_option(model: str, quant: str, kv: str, sparsity: float, ref: dict | Non
             row["tokens_512"] = toks
         else:
             row["kv_bytes_per_token_4096"] = s1["kv_bytes_per_token"]
+    for ctx in (512, 4096)[len(CONTEXTS):]:  # not measured: blank cells
+        row[f"tps_b1_{ctx}"] = row[f"tps_b8_{ctx}"] = row[f"kv_bytes_per_token_{ctx}"] = float("nan")
     if sparsity:
         row.update(kernel_count(llm, p512[0]))
     llm.core.prefix_cache.enabled = False  # perplexity windows must each be one computed prefill chunk
@@ -154,7 +157,7 @@ def fit(rows: list[dict]) -> tuple[float, float, float]:
     """seconds per token = t0 + bytes / bw over the batch-1 rows at 512 and 4096; returns (bw, t0, R²)."""
     x, y = [], []
     for r in rows:
-        for ctx in (512, 4096):
+        for ctx in CONTEXTS:
             x.append(r["weight_bytes_per_token"] + r[f"kv_bytes_per_token_{ctx}"])
             y.append(1.0 / r[f"tps_b1_{ctx}"])
     x, y = np.array(x), np.array(y)
@@ -172,8 +175,10 @@ def main() -> None:
     ap.add_argument("--options", default="", help="comma-separated quant/kv/sparsity of GRID, e.g. none/int8/0")
     ap.add_argument("--no-ppl", action="store_true", help="speed and bytes only (perplexity: the full run's)")
     ap.add_argument("--no-kernels", action="store_true", help="skip the gathered-vs-dense kernel table")
+    ap.add_argument("--contexts", default="512,4096", choices=["512", "512,4096"])
     ap.add_argument("--json", default="bench/bytes.json")
     args = ap.parse_args()
+    CONTEXTS[:] = [int(c) for c in args.contexts.split(",")]
     torch.set_num_threads(args.threads)
     if not args.no_kernels:
         crossover()
@@ -211,7 +216,7 @@ def main() -> None:
         bw, t0, r2 = fit(mr)
         print(f"\nfit {model}: s/token = {t0 * 1e3:.1f} ms + bytes / {bw / 1e9:.2f} GB/s  (R² {r2:.2f}, batch 1)")
         for r in mr:
-            for ctx in (512, 4096):
+            for ctx in CONTEXTS:
                 b = r["weight_bytes_per_token"] + r[f"kv_bytes_per_token_{ctx}"]
                 pred = 1 / (t0 + b / bw)
                 off = r[f"tps_b1_{ctx}"] / pred - 1
