@@ -19,10 +19,12 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
+# tokenhaul first: it picks the OpenMP wait policy, which libgomp reads once, when torch loads it
+from tokenhaul import LLM, SamplingParams  # noqa: E402, I001
+
 import torch  # noqa: E402
 from peers import _HF_MODELS, hf_speed, llamacpp_speed, llamacpp_throughput, synthetic_prompt  # noqa: E402
 
-from tokenhaul import LLM, SamplingParams  # noqa: E402
 from tokenhaul.whatif.calibrate import machine_roofline  # noqa: E402
 
 TARGETS = {"decode_1_vs_llamacpp": 1.0, "decode_32_vs_llamacpp": 2.0, "prefill_512_vs_llamacpp": 1.5,
