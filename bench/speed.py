@@ -11,7 +11,6 @@ from __future__ import annotations
 import argparse
 import gc
 import json
-import os
 import platform
 import sys
 import time
@@ -25,6 +24,7 @@ from tokenhaul import LLM, SamplingParams  # noqa: E402, I001
 import torch  # noqa: E402
 from peers import _HF_MODELS, hf_speed, llamacpp_speed, llamacpp_throughput, synthetic_prompt  # noqa: E402
 
+from tokenhaul.host import openmp_wait  # noqa: E402
 from tokenhaul.whatif.calibrate import machine_roofline  # noqa: E402
 
 TARGETS = {"decode_1_vs_llamacpp": 1.0, "decode_32_vs_llamacpp": 2.0, "prefill_512_vs_llamacpp": 1.5,
@@ -61,12 +61,6 @@ def tokenhaul_row(llm: LLM, new: int, batches: list[int], bandwidth: float, pref
     wall, _ = timed(llm, [long], 1)
     row["prefill_512"] = 512 / wall
     return row
-
-
-def openmp_wait() -> str:
-    """The wait policy tokenhaul chose at import (tokenhaul/__init__.py) or the environment set."""
-    spin = os.environ.get("GOMP_SPINCOUNT")
-    return f"GOMP_SPINCOUNT={spin}" if spin else f"OMP_WAIT_POLICY={os.environ.get('OMP_WAIT_POLICY', 'unset')}"
 
 
 def main() -> None:
