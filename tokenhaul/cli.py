@@ -43,7 +43,7 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--compile", default=os.environ.get("TOKENHAUL_COMPILE", "auto"), choices=("auto", "on", "off"),
                    help="batch-1 decode as one compiled graph (torch.compile, C++ via g++): auto (default) = with "
                         "bf16 on the CPU, compiled at start when compiled before (seconds), else this run stays "
-                        "eager while a detached process compiles for the next (~1 min); on = compile at start; off")
+                        "eager and at exit a detached process compiles for the next (~1 min); on = compile now; off")
     p.add_argument("--itl-target-ms", type=float, default=0.0,
                    help="inter-token budget: prefill chunks are sized so a step's predicted time stays under it "
                         "(or under 1.5x the decodes' own, if more) "

@@ -8,12 +8,14 @@ two-block scratch cache, and its inductor artifacts serve any cache size). Posit
 table are tensor inputs: a Python int would recompile every step.
 
 A cold compile takes about a minute; loading the saved step a few seconds. `--compile auto` therefore
-compiles at start only when this config's step was saved before; otherwise the run stays eager and a
-detached process (`python -m tokenhaul.engine.compiled_decode CONFIG_JSON`) saves it for the next start.
+compiles at start only when this config's step was saved before; otherwise the run stays eager and, once
+it exits, a detached process (`python -m tokenhaul.engine.compiled_decode CONFIG_JSON`) saves it for the
+next start.
 (A thread cannot do it: a process exiting while another thread runs OpenMP work aborts.)"""
 
 from __future__ import annotations
 
+import atexit
 import dataclasses
 import hashlib
 import json
@@ -120,13 +122,19 @@ class CompiledDecode:
         return self._fns[ids.shape[0]](self.model, self.kv, ids, positions, slots, table)
 
 
-def compile_elsewhere(config: EngineConfig) -> subprocess.Popen:
-    """Start a detached, low-priority process that compiles this config's decode step into inductor's cache."""
-    cfg = dataclasses.asdict(config) | {"compile": "on", "num_kv_blocks": 4, "itl_target_ms": 0.0,
-                                        "draft_model": None}
-    return subprocess.Popen([sys.executable, "-m", "tokenhaul.engine.compiled_decode", json.dumps(cfg)],
-                            stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-                            start_new_session=True, preexec_fn=lambda: os.nice(10))
+def compile_after_exit(config: EngineConfig) -> None:
+    """When this process exits, start a detached, low-priority process that compiles this config's decode step
+    and saves it for the next start (at exit, so it never competes with the run that asked for it)."""
+    cfg = json.dumps(dataclasses.asdict(config) | {"compile": "on", "num_kv_blocks": 4, "itl_target_ms": 0.0,
+                                                    "draft_model": None}, sort_keys=True)
+    if cfg not in _after_exit:
+        _after_exit.add(cfg)
+        atexit.register(subprocess.Popen, [sys.executable, "-m", "tokenhaul.engine.compiled_decode", cfg],
+                        stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                        start_new_session=True, preexec_fn=lambda: os.nice(10))
+
+
+_after_exit: set[str] = set()  # configs whose compile is already due at exit
 
 
 if __name__ == "__main__":

@@ -19,7 +19,7 @@ from tokenhaul.decoding import PROPOSERS
 from tokenhaul.decoding.beam import BeamSearch
 from tokenhaul.decoding.decoder import Decoder, Verdict
 from tokenhaul.decoding.speculative import DraftModel, check_pair
-from tokenhaul.engine.compiled_decode import CompiledDecode, compile_elsewhere
+from tokenhaul.engine.compiled_decode import CompiledDecode, compile_after_exit
 from tokenhaul.engine.messages import CoreLimits, CoreStats, RequestDelta
 from tokenhaul.engine.request import Request, Status
 from tokenhaul.engine.runner import ModelRunner
@@ -107,7 +107,7 @@ class EngineCore:
             proposers["draft"] = DraftModel(draft_model, mirrors[0], config.device, draft_prefill_model)
         compiled = CompiledDecode(model, self.kv, config, cache_root()) if config.compiled_decode else None
         if compiled is not None and config.compile == "auto" and not compiled.cached:
-            compile_elsewhere(config)  # this run stays eager; the next start finds the graph in inductor's cache
+            compile_after_exit(config)  # this run stays eager; the next start loads the saved step
             compiled = None
         self.runner = ModelRunner(model, self.kv, config.device, mirrors, config.deterministic, compiled)
         self.decoder = Decoder(proposers, max_len, config.speculative_max_batch)
