@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import os
 import sys
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -21,8 +22,9 @@ def _flags() -> tuple[str, list[str]]:
     return "generic", ["-O3"]
 
 
-def load(source: Path, slower: str) -> bool:
-    """Build and load `source` once per process; False (and `slower`, the fallback's cost, on stderr) if not."""
+def load(source: Path, slower: str, fakes: dict[str, Callable] | None = None) -> bool:
+    """Build and load `source` once per process, registering `fakes` (op name → shape function, for
+    torch.compile); False (and `slower`, the fallback's cost, on stderr) if not."""
     if source not in _loaded:
         from torch.utils.cpp_extension import load as build
 
@@ -30,6 +32,8 @@ def load(source: Path, slower: str) -> bool:
         try:
             build(f"tokenhaul_{source.stem}_{flavour}", [str(source)], extra_cflags=flags, is_python_module=False,
                   verbose=bool(os.environ.get("TOKENHAUL_VERBOSE_BUILD")))
+            for op, fn in (fakes or {}).items():
+                torch.library.register_fake(op, fn)
             _loaded[source] = True
         except Exception as e:  # no compiler or headers: the pure-torch paths give the same answers
             print(f"tokenhaul: {source.name} not built ({type(e).__name__}: {str(e)[:200]}); {slower}",

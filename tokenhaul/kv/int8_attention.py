@@ -20,8 +20,6 @@ SOURCE = Path(__file__).with_name("int8_attention.cpp")
 # KV head (all threads busy at batch 1), large enough that merging the partial softmaxes costs nothing.
 CHUNK_BLOCKS = 32
 
-_faked: list[bool] = []
-
 
 def _fake(q, kd, ks, vd, vs, table, mask, scale, chunk_blocks):  # shapes for torch.compile
     return q.new_empty(q.shape)
@@ -29,12 +27,8 @@ def _fake(q, kd, ks, vd, vs, table, mask, scale, chunk_blocks):  # shapes for to
 
 def available() -> bool:
     """Build (once per machine) and load the kernel; False, with one stderr line, if that fails."""
-    if not native.load(SOURCE, "int8 KV decodes dequantize a float copy instead (slower)"):
-        return False
-    if not _faked:
-        torch.library.register_fake("tokenhaul_kv::decode_int8", _fake)
-        _faked.append(True)
-    return True
+    return native.load(SOURCE, "int8 KV decodes dequantize a float copy instead (slower)",
+                       {"tokenhaul_kv::decode_int8": _fake})
 
 
 def decode_int8(q: torch.Tensor, k_data: torch.Tensor, k_scale: torch.Tensor, v_data: torch.Tensor,

@@ -15,7 +15,6 @@ import torch
 from tokenhaul import native
 
 SOURCE = Path(__file__).with_name("int4_dequant.cpp")
-_faked: list[bool] = []
 
 
 def _fake(weight: torch.Tensor, scales_zeros: torch.Tensor, group: int) -> torch.Tensor:
@@ -24,9 +23,5 @@ def _fake(weight: torch.Tensor, scales_zeros: torch.Tensor, group: int) -> torch
 
 def available() -> bool:
     """Build (once per machine, tokenhaul/native.py) and load the kernel; False, with one stderr line, if not."""
-    if not native.load(SOURCE, "many-row int4 linears dequantize with torch ops instead (slower)"):
-        return False
-    if not _faked:
-        torch.library.register_fake("tokenhaul_int4::dequant_t", _fake)
-        _faked.append(True)
-    return True
+    return native.load(SOURCE, "many-row int4 linears dequantize with torch ops instead (slower)",
+                       {"tokenhaul_int4::dequant_t": _fake})
