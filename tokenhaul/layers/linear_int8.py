@@ -1,7 +1,7 @@
 """8-bit per-channel weights (symmetric, one scale per row). A few rows run `_weight_int8pack_mm` (bf16
 activations); more rows quantize each activation row on the fly and run the integer GEMM `torch._int_mm`
 (int8 x int8, exact int32 sums), which on this CPU is 1.5-6x the packed kernel from 8 rows on and still 2x
-a bf16 GEMM at 512 rows (bench/int8_kernels.py, bench/RESULTS.md "Speed run 3").
+a bf16 GEMM at 512 rows (bench/linear_kernels.py, bench/RESULTS.md "Speed run 3").
 
 Each activation row goes in as two int8 rows, hi + lo / 254 (16 bits: the product matches bf16 activations
 times the int8 weight to ~3e-5 relative). One int8 row (8 bits) would be 1.2-2x faster again but costs
