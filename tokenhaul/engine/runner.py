@@ -56,6 +56,9 @@ class ModelRunner:
         sample_chunks: list[ScheduledChunk] = []
         shapes: list[tuple[int, list[int]]] = []
         single = len(calls) == 1
+        # a pure-decode step the compiled graph takes: it builds its own masks and reads every block in place
+        graph = self.compiled is not None and single and all(c.num_tokens == 1 == c.num_sampled for c in sched.chunks) \
+            and self.compiled.accepts(len(sched.chunks))
         row = 0
         for call in calls:
             chunks = [sched.chunks[i] for i in call]
@@ -71,17 +74,17 @@ class ModelRunner:
             q_pos = starts[:, None] + torch.arange(q_len)  # [B, q_len]
             table = self._block_table([c.request.block_ids for c in chunks], int(q_pos.max()) + 1)
             slot_parts.append((table.gather(1, q_pos // bs) * bs + q_pos % bs).flatten())
-            mask, local = self._masks(q_pos, table.shape[1] * bs)
+            mask, local = (None, None) if graph else self._masks(q_pos, table.shape[1] * bs)
             n = len(chunks) * q_len
             idx = None if single else torch.arange(row - n, row)
-            first = self._consecutive(chunks[0].request.block_ids, table.shape[1]) if len(chunks) == 1 else None
+            first = self._consecutive(chunks[0].request.block_ids, table.shape[1]) \
+                if len(chunks) == 1 and not graph else None
             groups.append(AttnGroup(len(chunks), q_len, idx, table, mask, local, first))
             shapes.append((q_len, [c.start + q_len for c in chunks]))
+        if graph:
+            return self._compiled_input(ids, pos, slot_parts[0], groups[0].block_table, sample_chunks, shapes)
         view_slots = sum(g.block_table.shape[1] * bs for g in groups if g.block_start is not None)
         dev = self.device
-        if self.compiled is not None and single and q_len == 1 and len(sample_rows) == len(ids) \
-                and self.compiled.accepts(len(ids)):
-            return self._compiled_input(ids, pos, slot_parts[0], groups[0].block_table, sample_chunks, shapes)
         meta = AttentionMetadata(torch.tensor(pos, dtype=torch.long).to(dev), torch.cat(slot_parts).to(dev),
                                  [self._to(g) for g in groups], len(ids), self.per_query)
         return ModelInput(torch.tensor(ids, dtype=torch.long, device=dev), meta,
