@@ -1,15 +1,19 @@
-"""How wrong is the what-if model here? Calibrate this machine, then predict and measure TPOT and prefill
-throughput over a grid (models × quantizations × batch sizes × context lengths) in the same run.
+"""How wrong is the what-if model here? Calibrate this machine's device, then predict and measure TPOT and
+prefill throughput over a grid (models × quantizations × batch sizes × context lengths) in the same run.
 
     flock /tmp/tokenhaul-bench.lock python bench/whatif_error.py
     flock /tmp/tokenhaul-bench.lock python bench/whatif_error.py --device cuda   # where a GPU exists
+
+`--device cuda` calibrates `this-machine-cuda` (the GPU's memory, its kernels timed with CUDA events, the
+engine's launch and Python overheads on it) and runs the engine there; without a GPU it refuses in one line.
 
 Run it on quiet cores and without OMP_WAIT_POLICY / GOMP_SPINCOUNT in the environment (or with the
 same ones as the runs to be predicted): the calibration measures whatever wait policy is in force.
 
 Measured: the real engine's ledger (prefill: tokens / seconds of prefill steps; TPOT: median decode step,
 engine stages). Predicted: whatif.workload.predict from the model's config alone (no weights read) on
-the `this-machine` profile measured at the start of the run. Prints one row per point and the MAPE."""
+the `this-machine` (or `this-machine-cuda`) profile measured at the start of the run. Prints one row per
+point and the MAPE."""
 
 from __future__ import annotations
 
@@ -22,6 +26,7 @@ import time
 import torch
 
 from tokenhaul.config import EngineConfig
+from tokenhaul.errors import TokenhaulError
 from tokenhaul.llm import LLM
 from tokenhaul.sampling_params import SamplingParams
 from tokenhaul.whatif.machine import this_machine
@@ -80,12 +85,13 @@ def main() -> None:
     ap.add_argument("--device", default="cpu")
     ap.add_argument("--json", default=None, help="also write every point to this file")
     args = ap.parse_args()
-    if args.device != "cpu":
-        raise SystemExit("this-machine calibration measures the CPU kernels; GPU validation needs a GPU profile")
     t0 = time.perf_counter()
-    hw = this_machine(remeasure=True)
+    try:
+        hw = this_machine(remeasure=True, device=args.device)  # refuses first where the device is missing
+    except TokenhaulError as e:
+        raise SystemExit(f"whatif_error: {e}") from None
     rates = ", ".join(f"{k} {v / 1e9:.0f}" for k, v in hw.flops.items())
-    print(f"calibrated {hw.description} in {time.perf_counter() - t0:.0f} s: DRAM "
+    print(f"calibrated {hw.name}: {hw.description} in {time.perf_counter() - t0:.0f} s: {hw.tiers[-1].name} "
           f"{hw.tiers[-1].bandwidth / 1e9:.1f} GB/s, GFLOP/s {rates}")
     print("| model | quant | batch | ctx | prefill tok/s pred | meas | err | TPOT ms pred | meas | err |")
     print("|---|---|---|---|---|---|---|---|---|---|")
@@ -116,7 +122,8 @@ def main() -> None:
           f"run took {time.perf_counter() - t0:.0f} s, machine shared")
     if args.json:
         with open(args.json, "w") as f:
-            json.dump({"profile": hw.description, "points": rows}, f, indent=1)
+            json.dump({"device": args.device, "profile": hw.name, "description": hw.description, "points": rows},
+                      f, indent=1)
 
 
 if __name__ == "__main__":

@@ -13,7 +13,7 @@ import torch
 from tiny_models import tiny_model
 
 from tokenhaul.ledger.costs import ModelCosts
-from tokenhaul.whatif.hardware import THIS_MACHINE, load_hardware, profile_names
+from tokenhaul.whatif.hardware import THIS_MACHINE, THIS_MACHINE_CUDA, load_hardware, profile_names
 from tokenhaul.whatif.modelspec import load_model_config
 
 LLAMA70 = Path(__file__).parent / "llama-3-70b-config.json"
@@ -73,9 +73,9 @@ def test_from_config_agrees_with_real_model(smollm):
 
 def test_every_profile_loads_with_sources():
     names = profile_names()
-    assert names[0] == THIS_MACHINE and {"a100", "h100", "h200", "groq-lpu", "wafer-scale", "mesh-3d-dram",
-                                          "hbm-pim"} <= set(names)
-    for n in names[1:]:
+    assert names[:2] == [THIS_MACHINE, THIS_MACHINE_CUDA] and {"a100", "h100", "h200", "groq-lpu", "wafer-scale",
+                                                                "mesh-3d-dram", "hbm-pim"} <= set(names)
+    for n in names[2:]:
         hw = load_hardware(n)
         assert hw.tiers and hw.flops_for("bf16") > 0
         text = Path(hw.source).read_text()
@@ -136,13 +136,13 @@ def test_this_machine_profile_is_cached_and_remeasured_for_new_kernels(tmp_path,
     entry = {"name": "this-machine", "flops": {f: 1e11 for f in machine.available_formats()} | {"attention": 5e10},
              "tier": [{"name": "DRAM", "capacity": 8e9, "bandwidth": 2e10}], "paged_kernel": "gather",
              "overhead": {"step_s": 1e-3, "layer_s": 1e-4}}
-    monkeypatch.setattr(machine, "measure_profile", lambda: calls.append(1) or dict(entry))
+    monkeypatch.setattr(machine, "measure_profile", lambda device: calls.append(device) or dict(entry))
     hw = machine.this_machine(root=tmp_path)
-    assert machine.this_machine(root=tmp_path) == hw and len(calls) == 1
+    assert machine.this_machine(root=tmp_path) == hw and calls == ["cpu"]
     assert hw.name == THIS_MACHINE and hw.layer_overhead == 1e-4 and hw.paged_kernel == "gather"
     entry["flops"] = {"bf16": 1e11}  # cached before a packed kernel existed
     machine.this_machine(remeasure=True, root=tmp_path)
-    monkeypatch.setattr(machine, "measure_profile", lambda: calls.append(1) or dict(entry, flops=dict.fromkeys(
-        machine.available_formats(), 1e11)))
+    full = dict(entry, flops=dict.fromkeys(machine.available_formats(), 1e11))
+    monkeypatch.setattr(machine, "measure_profile", lambda device: calls.append(device) or full)
     machine.this_machine(root=tmp_path)
     assert len(calls) == 3

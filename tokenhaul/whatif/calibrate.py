@@ -15,6 +15,7 @@ import torch
 
 from tokenhaul.host import cpu_model
 from tokenhaul.models.catalog import cache_root
+from tokenhaul.whatif import clock
 from tokenhaul.whatif.roofline import Roofline
 
 CALIBRATION_FILE = "calibration.json"
@@ -31,27 +32,11 @@ def calibration_path(root: Path | None = None) -> Path:
     return (root or cache_root()) / CALIBRATION_FILE
 
 
-def _sync(device: str) -> None:
-    if device.startswith("cuda"):
-        torch.cuda.synchronize()
-
-
-def _best(fn, device: str, repeats: int) -> float:
-    best = float("inf")
-    for _ in range(repeats):
-        _sync(device)
-        t = time.perf_counter()
-        fn()
-        _sync(device)
-        best = min(best, time.perf_counter() - t)
-    return best
-
-
 def measure_bandwidth(device: str = "cpu", nbytes: int = 2**30, repeats: int = 5) -> float:
     """Read bandwidth in bytes/s: best time to sum an fp32 tensor of `nbytes` (1 GiB ≫ any cache)."""
     x = torch.ones(nbytes // 4, dtype=torch.float32, device=device)
     x.sum()  # touch every page before timing
-    seconds = _best(x.sum, device, repeats)
+    seconds = clock.best_seconds(x.sum, device, repeats, warmup=0)
     del x
     return nbytes / seconds
 
@@ -62,7 +47,7 @@ def measure_flops(device: str = "cpu", n: int | None = None, repeats: int = 3) -
     a = torch.randn(n, n, device=device)
     b = torch.randn(n, n, device=device)
     a @ b  # warm up the BLAS
-    return 2 * n**3 / _best(lambda: a @ b, device, repeats)
+    return 2 * n**3 / clock.best_seconds(lambda: a @ b, device, repeats, warmup=0)
 
 
 def measure(device: str = "cpu", nbytes: int = 2**30, gemm_n: int | None = None) -> dict:

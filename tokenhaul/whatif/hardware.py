@@ -1,7 +1,8 @@
 """Hardware profiles: memory tiers, compute per operand format, chips, links, overheads, energy.
 
 Profiles are TOML data files under `whatif/hardware/` (every value cites its public source in a
-comment); `this-machine` is built from calibration (whatif/calibrate.py) instead of a file."""
+comment); `this-machine` (the CPU) and `this-machine-cuda` (a CUDA GPU here) are built from calibration
+(whatif/machine.py) instead of a file."""
 
 from __future__ import annotations
 
@@ -13,7 +14,8 @@ from pathlib import Path
 from tokenhaul.errors import TokenhaulError
 
 HARDWARE_DIR = Path(__file__).parent / "hardware"
-THIS_MACHINE = "this-machine"
+THIS_MACHINE = "this-machine"  # the CPU the engine runs on, calibrated here
+THIS_MACHINE_CUDA = "this-machine-cuda"  # this machine's CUDA GPU, calibrated here (where there is one)
 
 
 @dataclass(frozen=True)
@@ -93,7 +95,7 @@ class Hardware:
 
 
 def profile_names() -> list[str]:
-    return [THIS_MACHINE] + sorted(p.stem for p in HARDWARE_DIR.glob("*.toml"))
+    return [THIS_MACHINE, THIS_MACHINE_CUDA] + sorted(p.stem for p in HARDWARE_DIR.glob("*.toml"))
 
 
 def from_dict(d: dict, name: str, source: str = "") -> Hardware:
@@ -122,11 +124,11 @@ def from_dict(d: dict, name: str, source: str = "") -> Hardware:
 
 
 def load_hardware(name: str) -> Hardware:
-    """A named profile (`this-machine` calibrates here, cached) or a path to a TOML profile."""
-    if name == THIS_MACHINE:
+    """A named profile (`this-machine` / `this-machine-cuda` calibrate here, cached) or a path to a TOML profile."""
+    if name in (THIS_MACHINE, THIS_MACHINE_CUDA):
         from tokenhaul.whatif.machine import this_machine
 
-        return this_machine()
+        return this_machine(device="cuda" if name == THIS_MACHINE_CUDA else "cpu")
     path = Path(name) if name.endswith(".toml") else HARDWARE_DIR / f"{name}.toml"
     if not path.is_file():
         raise TokenhaulError(f"unknown hardware '{name}' (choose from {', '.join(profile_names())}, "

@@ -4,8 +4,9 @@ Operator profiling in the manner of Vidur (Agrawal et al., MLSys 2024): a CPU's 
 the roofline — the packed int4 kernel costs like a loop of GEMVs, a bf16 GEMV has a fixed setup of tens
 of microseconds, small matrices stream slower than large ones — so `this-machine` times the engine's own
 linear for each shape a model uses, at a grid of row counts, and interpolates. A curve is measured on
-first use (a few seconds per shape, over copies of random weights ≫ L3 so every call reads DRAM) and
-cached beside the calibration."""
+first use (a few seconds per shape, over copies of random weights ≫ the last-level cache so every call
+reads memory) and cached beside the calibration, per device: on CUDA the same curves time the engine's
+GPU kernels (cuBLAS bf16, `_weight_int4pack_mm`, `_weight_int8pack_mm`) with CUDA events (whatif/clock.py)."""
 
 from __future__ import annotations
 
@@ -14,11 +15,36 @@ from pathlib import Path
 
 import torch
 
+from tokenhaul.config import DTYPES
+from tokenhaul.layers import linear
+from tokenhaul.layers import quantization as _formats  # noqa: F401 - registers every packed format
 from tokenhaul.models.config import ModelConfig
 from tokenhaul.whatif import calibrate as cal
+from tokenhaul.whatif import clock
 
 ROWS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512)
-SPAN_BYTES = 64e6  # weights read per timed pass: ≫ L3, as a step's many layers are
+SPAN_BYTES = 64e6  # weights read per timed pass on a CPU: ≫ L3, as a step's many layers are
+DENSE = ("bf16", "fp32")  # dense formats; the packed ones (int8, int4) as layers/linear registers them
+
+
+def available_formats() -> tuple[str, ...]:
+    return DENSE + tuple(f for f in ("int8", "int4") if f in linear.FORMATS)
+
+
+def make_linear(fmt: str, weight: torch.Tensor, device: str = "cpu") -> linear.Linear:
+    """The engine's linear for a weight format on `device`: dense bf16 / fp32, or a packed kernel (int8,
+    int4) as registered in layers/linear.py, with bf16 activations as the engine runs them."""
+    dense = fmt in DTYPES
+    cls = linear.FORMATS["dense" if dense else fmt]
+    group = 32 if fmt == "int4" else None
+    return cls.build([weight], None, DTYPES[fmt] if dense else torch.bfloat16, torch.device(device), group)
+
+
+def span_bytes(device: str) -> float:
+    """Weights per timed pass: SPAN_BYTES on a CPU; on a GPU also at least 4 × its L2."""
+    if clock.is_cuda(device):
+        return max(SPAN_BYTES, 4.0 * torch.cuda.get_device_properties(torch.device(device)).L2_cache_size)
+    return SPAN_BYTES
 
 
 def layer_shapes(cfg: ModelConfig) -> list[tuple[int, int]]:
@@ -38,37 +64,33 @@ def interpolate(curve: list[tuple[int, float]], rows: int) -> float:
     return s1 + (s1 - s0) * (rows - r1) / (r1 - r0)
 
 
-def measure_curve(fmt: str, out: int, in_: int, repeats: int = 3) -> list[tuple[int, float]]:
-    """Best seconds per call of the engine's `fmt` linear of shape (out, in) at each row count of ROWS
-    and on both sides of the format's kernel switch (`max_rows`)."""
-    from tokenhaul.whatif.machine import make_linear
-
+def measure_curve(fmt: str, out: int, in_: int, device: str = "cpu", span: float | None = None,
+                  repeats: int = 3, rows: tuple[int, ...] = ROWS) -> list[tuple[int, float]]:
+    """Best seconds per call of the engine's `fmt` linear of shape (out, in) on `device` at each row count
+    of `rows` and on both sides of the format's kernel switch (`max_rows`), over copies of the weights
+    spanning `span` bytes (default: span_bytes(device))."""
     g = torch.Generator().manual_seed(out * 7919 + in_)
-    probe = make_linear(fmt, torch.randn(out, in_, generator=g))
-    copies = max(4, int(SPAN_BYTES // max(probe.weight_bytes, 1)))
-    lins = [probe] + [make_linear(fmt, torch.randn(out, in_, generator=g)) for _ in range(copies - 1)]
+    probe = make_linear(fmt, torch.randn(out, in_, generator=g), device)
+    copies = max(4, int((span or span_bytes(device)) // max(probe.weight_bytes, 1)))
+    lins = [probe] + [make_linear(fmt, torch.randn(out, in_, generator=g), device) for _ in range(copies - 1)]
     switch = getattr(probe, "max_rows", None)
-    grid = sorted(set(ROWS) | ({switch, switch + 1} if switch else set()))
+    grid = sorted(set(rows) | ({switch, switch + 1} if switch else set()))
     curve = []
-    for rows in grid:
-        x = torch.randn(rows, in_, generator=g)
+    for n in grid:
+        x = torch.randn(n, in_, generator=g).to(device)
         for lin in lins[:2]:
             lin(x)  # warm up
-        best = float("inf")
-        for _ in range(repeats):
-            t = time.perf_counter()
-            for lin in lins:
-                lin(x)
-            best = min(best, time.perf_counter() - t)
-        curve.append((rows, best / len(lins)))
+        best = clock.best_seconds(lambda x=x: [lin(x) for lin in lins], device, repeats, warmup=0)
+        curve.append((n, best / len(lins)))
     return curve
 
 
 class LinearTimes:
     """Seconds of one linear call per (format, shape, rows), from curves measured here and cached."""
 
-    def __init__(self, formats: tuple[str, ...], root: Path | None = None, remeasure: bool = False) -> None:
-        self.formats, self.root, self.remeasure = formats, root, remeasure
+    def __init__(self, formats: tuple[str, ...], root: Path | None = None, remeasure: bool = False,
+                 device: str = "cpu") -> None:
+        self.formats, self.root, self.remeasure, self.device = formats, root, remeasure, device
         self._curves: dict[str, list[tuple[int, float]]] = {}
 
     def __call__(self, fmt: str, out: int, in_: int, rows: int) -> float | None:
@@ -78,16 +100,17 @@ class LinearTimes:
         return interpolate(self.curve(fmt, out, in_), rows)
 
     def curve(self, fmt: str, out: int, in_: int) -> list[tuple[int, float]]:
-        key = f"{cal.machine_key()} | linear | {fmt} | {out}x{in_}"
+        key = f"{cal.machine_key(self.device)} | linear | {fmt} | {out}x{in_}"
         if key not in self._curves:
             entry = None if self.remeasure else cal.load_entry(key, self.root)
             if entry is None:
-                entry = {"curve": measure_curve(fmt, out, in_), "measured_at": time.time()}
+                entry = {"curve": measure_curve(fmt, out, in_, self.device), "measured_at": time.time()}
                 cal.store_entry(key, entry, self.root)
             self._curves[key] = [(int(r), float(s)) for r, s in entry["curve"]]
         return self._curves[key]
 
     def __eq__(self, other: object) -> bool:
-        return isinstance(other, LinearTimes) and (self.formats, self.root) == (other.formats, other.root)
+        return isinstance(other, LinearTimes) and (self.formats, self.root, self.device) == (
+            other.formats, other.root, other.device)
 
     __hash__ = None

@@ -1,10 +1,12 @@
-"""`this-machine`: the hardware profile of the machine we run on, filled by measurement.
+"""`this-machine` / `this-machine-cuda`: the hardware profile of the device the engine runs on, measured.
 
-Each figure is measured with the engine's own kernels at the current thread count: read bandwidth,
-GEMV bandwidth and GEMM FLOP/s per weight format (the packed kernels actually used), the gathered-K/V
-copy and attention rates, elementwise traffic, and the engine's per-step / per-layer / per-group /
-per-token overheads (an EngineCore over random models of 2 and 10 layers, where kernels are negligible).
-Cached beside the roofline calibration, keyed by CPU model, threads and device."""
+Each figure is measured with the engine's own kernels on that device (the CPU at the current thread count,
+or a CUDA GPU; timed by whatif/clock.py): read bandwidth of its memory, GEMV bandwidth and GEMM FLOP/s
+per weight format (the packed kernels actually used there), the gathered-K/V copy and attention rates,
+elementwise traffic, host↔device copies (a GPU; recorded, already inside the fitted overheads), and the
+engine's per-step / per-layer / per-group / per-token overheads (an EngineCore over random models of 2 and
+10 layers, where kernels are negligible: on a GPU, launches and Python). Cached beside the roofline
+calibration, keyed by CPU model, threads and device."""
 
 from __future__ import annotations
 
@@ -12,6 +14,7 @@ import dataclasses
 import itertools
 import os
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
@@ -19,10 +22,41 @@ import torch
 import torch.nn.functional as F
 
 from tokenhaul.whatif import calibrate as cal
-from tokenhaul.whatif.hardware import THIS_MACHINE, Hardware, from_dict
-from tokenhaul.whatif.kernels import LinearTimes
+from tokenhaul.whatif import clock
+from tokenhaul.whatif.hardware import THIS_MACHINE, THIS_MACHINE_CUDA, Hardware, from_dict
+from tokenhaul.whatif.kernels import DENSE, LinearTimes, available_formats, make_linear
 
-FORMATS = ("bf16", "fp32")  # dense formats; packed ones (int8, int4) join where layers/linear registers them
+
+@dataclass(frozen=True)
+class Sizes:
+    """How big the probes are: on a CPU or a GPU large enough that weights and K/V come from memory, not a
+    cache; TINY runs every code path in a second (tests), its figures meaningless."""
+
+    read_bytes: int = 2**29  # the read-bandwidth probe
+    gemv_bytes: float = 96e6  # weights read per GEMV pass
+    matrix: tuple[int, int] = (2048, 1024)  # (out, in) of the GEMV / GEMM probes
+    gemm_rows: int = 256
+    kv_len: int = 512  # K/V slots per sequence of the decode-attention probe (8 sequences)
+    prompt: int = 256  # query tokens of the prefill-attention probe
+    host_bytes: int = 2**26  # host↔device copies (a GPU)
+    steps: int = 12  # decode steps per configuration of the overhead fit
+    repeats: int = 3
+
+
+TINY = Sizes(read_bytes=2**20, gemv_bytes=2e5, matrix=(64, 32), gemm_rows=8, kv_len=64, prompt=32,
+             host_bytes=2**16, steps=2, repeats=1)
+
+
+def sizes_for(device: str) -> Sizes:
+    """The CPU's sizes; a GPU's: a 1 GiB read, ≥ 4 × L2 of weights per pass, 4096-row GEMMs, K/V ≫ L2."""
+    if not clock.is_cuda(device):
+        return Sizes()
+    l2 = torch.cuda.get_device_properties(torch.device(device)).L2_cache_size
+    return Sizes(read_bytes=2**30, gemv_bytes=max(96e6, 4.0 * l2), gemm_rows=4096, kv_len=16384, prompt=2048)
+
+
+def profile_name(device: str) -> str:
+    return THIS_MACHINE_CUDA if clock.is_cuda(device) else THIS_MACHINE
 
 
 def _cache_bytes(level: int) -> float:
@@ -46,89 +80,57 @@ def _ram_bytes() -> float:
         return 16e9
 
 
-def _best(fn, repeats: int) -> float:
-    fn()
-    best = float("inf")
-    for _ in range(repeats):
-        t = time.perf_counter()
-        fn()
-        best = min(best, time.perf_counter() - t)
-    return best
-
-
-def make_linear(fmt: str, weight: torch.Tensor):
-    """The engine's linear for a weight format: dense bf16 / fp32, or a packed kernel (int8, int4) as
-    registered in layers/linear.py, with bf16 activations as the engine runs them."""
-    from tokenhaul.config import DTYPES
-    from tokenhaul.layers import linear
-
-    formats = getattr(linear, "FORMATS", None)
-    if formats is None:  # the registry predates packed formats: dense only
-        return linear.make_linear(weight.to(DTYPES[fmt]))
-    import tokenhaul.layers.quantization  # noqa: F401 - registers every format
-
-    dense = fmt in DTYPES
-    cls = formats["dense" if dense else fmt]
-    group = 32 if fmt == "int4" else None
-    return cls.build([weight], None, DTYPES[fmt] if dense else torch.bfloat16, torch.device("cpu"), group)
-
-
-def available_formats() -> tuple[str, ...]:
-    from tokenhaul.layers import linear
-
-    try:
-        import tokenhaul.layers.quantization  # noqa: F401 - registers the packed formats
-    except ImportError:
-        pass
-    return FORMATS + tuple(f for f in ("int8", "int4") if f in getattr(linear, "FORMATS", {}))
-
-
-def linear_rates(fmt: str, read_bw: float, repeats: int = 3) -> tuple[float, float]:
+def linear_rates(fmt: str, read_bw: float, device: str = "cpu", sizes: Sizes = Sizes()) -> tuple[float, float]:
     """(GEMV bandwidth as a share of read bandwidth, GEMM FLOP/s) of the engine's linear for `fmt`."""
-    probe = make_linear(fmt, torch.randn(2048, 1024))
-    n_mats = max(8, int(96e6 // probe.weight_bytes))  # ≫ L3: every GEMV reads from DRAM
-    lins = [probe] + [make_linear(fmt, torch.randn(2048, 1024)) for _ in range(n_mats - 1)]
+    out, in_ = sizes.matrix
+    probe = make_linear(fmt, torch.randn(out, in_), device)
+    n_mats = max(8, int(sizes.gemv_bytes // probe.weight_bytes))  # ≫ the last-level cache: GEMVs read memory
+    lins = [probe] + [make_linear(fmt, torch.randn(out, in_), device) for _ in range(n_mats - 1)]
     nbytes = sum(lin.weight_bytes for lin in lins)
-    x1 = torch.randn(1, 1024)
-    gemv = _best(lambda: [lin(x1) for lin in lins], repeats)
-    xm = torch.randn(256, 1024)
-    few = lins[:12]  # long enough (~0.1-1 s) that one quiet moment on a shared machine does not decide it
-    gemm = _best(lambda: [lin(xm) for lin in few], repeats)
-    return nbytes / gemv / read_bw, 2 * 256 * 1024 * 2048 * len(few) / gemm
+    x1 = torch.randn(1, in_, device=device)
+    gemv = clock.best_seconds(lambda: [lin(x1) for lin in lins], device, sizes.repeats)
+    xm = torch.randn(sizes.gemm_rows, in_, device=device)
+    few = lins[:12]  # long enough (~0.1-1 s on a CPU) that one quiet moment on a shared machine does not decide it
+    gemm = clock.best_seconds(lambda: [lin(xm) for lin in few], device, sizes.repeats)
+    return nbytes / gemv / read_bw, 2 * sizes.gemm_rows * in_ * out * len(few) / gemm
 
 
-def attention_rates(read_bw: float, repeats: int = 3) -> tuple[float, float]:
+def attention_rates(read_bw: float, device: str = "cpu", sizes: Sizes = Sizes()) -> tuple[float, float]:
     """(gathered-K/V bytes/s, attention FLOP/s): a padded decode group and a prefill group through
     layers.attention.paged_attention with bf16 caches, bytes counted by ledger/costs.step_costs."""
     from tokenhaul.layers.attention import AttentionMetadata, AttnGroup, paged_attention
     from tokenhaul.ledger.costs import ModelCosts, step_costs
     from tokenhaul.models.config import ModelConfig
 
-    H, Hkv, D, bs, B, L = 9, 3, 64, 16, 8, 512
+    H, Hkv, D, bs, B, L, Q = 9, 3, 64, 16, 8, sizes.kv_len, sizes.prompt
     cfg = ModelConfig("llama", H * D, 1, H, Hkv, D, 1536, 1000, 8192, 1e-5, 1e4, True)
     mc = ModelCosts.from_config(cfg, 16, 2)
     nb = B * L // bs + 8
-    kc, vc = (torch.randn(nb, bs, Hkv, D).to(torch.bfloat16) for _ in range(2))
-    table = torch.randperm(nb)[: B * L // bs].view(B, L // bs)
+
+    def rand(*shape: int) -> torch.Tensor:
+        return torch.randn(*shape).to(device)
+
+    kc, vc = (rand(nb, bs, Hkv, D).to(torch.bfloat16) for _ in range(2))
+    table = torch.randperm(nb)[: B * L // bs].view(B, L // bs).to(device)
     slots = table[:, -1] * bs + bs - 1
-    q, k, v = torch.randn(B, H, D), torch.randn(B, Hkv, D), torch.randn(B, Hkv, D)
+    q, k, v = rand(B, H, D), rand(B, Hkv, D), rand(B, Hkv, D)
     meta = AttentionMetadata(slots, slots, [AttnGroup(B, 1, None, table, None, None)], B)
-    t_dec = _best(lambda: paged_attention(q, k, v, kc, vc, meta, D**-0.5, False), repeats)
+    t_dec = clock.best_seconds(lambda: paged_attention(q, k, v, kc, vc, meta, D**-0.5, False), device, sizes.repeats)
     sc = step_costs(mc, [(L - 1, 1)] * B, 0, block_size=bs)
     gather_bw = sc.kv_gather_bytes / max(t_dec - (sc.kv_read_bytes + sc.kv_write_bytes) / read_bw, t_dec / 4)
-    Q = 256
-    ptable = torch.arange(Q // bs)[None]
-    pos = torch.arange(Q)
+    ptable = torch.arange(Q // bs, device=device)[None]
+    pos = torch.arange(Q, device=device)
     mask = (pos[None, :] <= pos[:, None])[None, None]
-    pq, pk, pv = torch.randn(Q, H, D), torch.randn(Q, Hkv, D), torch.randn(Q, Hkv, D)
+    pq, pk, pv = rand(Q, H, D), rand(Q, Hkv, D), rand(Q, Hkv, D)
     pmeta = AttentionMetadata(pos, pos, [AttnGroup(1, Q, None, ptable, mask, mask, 0)], Q)
-    t_pre = _best(lambda: paged_attention(pq, pk, pv, kc, vc, pmeta, D**-0.5, False), repeats)
+    t_pre = clock.best_seconds(lambda: paged_attention(pq, pk, pv, kc, vc, pmeta, D**-0.5, False), device,
+                               sizes.repeats)
     pc = step_costs(mc, [(0, Q)], 0, block_size=bs, view_slots=Q)
     attn_flops = pc.flops - 2 * Q * mc.layer_params
     return gather_bw, attn_flops / max(t_pre - pc.kv_gather_bytes / gather_bw, t_pre / 4)
 
 
-def activation_bandwidth(repeats: int = 3) -> float:
+def activation_bandwidth(device: str = "cpu", sizes: Sizes = Sizes()) -> float:
     """Bytes/s of a Llama layer's elementwise work (norms, rope, SiLU·up, residuals) over 256 tokens,
     bytes counted as ledger/costs.py counts activation traffic."""
     from tokenhaul.layers.norm import RMSNorm
@@ -138,8 +140,9 @@ def activation_bandwidth(repeats: int = 3) -> float:
 
     T, h, H, Hkv, D, f = 256, 576, 9, 3, 64, 1536
     cfg = ModelConfig("llama", h, 1, H, Hkv, D, f, 1000, 8192, 1e-5, 1e4, True)
-    norm, rope = RMSNorm(torch.ones(h), 1e-5), RotaryEmbedding(D, 1024, 1e4, torch.device("cpu"))
-    hs, qkv, gu, pos = torch.randn(T, h), torch.randn(T, (H + 2 * Hkv) * D), torch.randn(T, 2 * f), torch.arange(T)
+    norm, rope = RMSNorm(torch.ones(h, device=device), 1e-5), RotaryEmbedding(D, 1024, 1e4, torch.device(device))
+    hs, qkv, gu = (torch.randn(T, n).to(device) for n in (h, (H + 2 * Hkv) * D, 2 * f))
+    pos = torch.arange(T, device=device)
 
     def layer():
         x = norm(hs)
@@ -151,10 +154,21 @@ def activation_bandwidth(repeats: int = 3) -> float:
         return norm(y) + (F.silu(gate) * up)[:, :h]
 
     nbytes = 2 * T * ModelCosts.from_config(cfg).activation_values_per_token * 4
-    return nbytes / _best(layer, repeats)
+    return nbytes / clock.best_seconds(layer, device, sizes.repeats)
 
 
-def _linear_seconds(model, rows: int, sampled: int, memo: dict) -> float:
+def host_link(device: str, nbytes: int = 2**26, repeats: int = 3) -> dict[str, float]:
+    """Copies between host memory and `device` as the engine makes them (pageable tensors): bytes/s each
+    way, and the seconds the host waits for 8 bytes back (a step's sampled token). On the CPU a memcpy."""
+    host = torch.ones(nbytes // 4)
+    dev = host.to(device)
+    one = torch.ones(1, dtype=torch.long, device=device)
+    return {"to_device": nbytes / clock.best_seconds(lambda: host.to(device, copy=True), device, repeats),
+            "to_host": nbytes / clock.best_seconds(lambda: dev.to("cpu", copy=True), device, repeats),
+            "latency_s": clock.best_seconds(one.tolist, "cpu", repeats)}  # it blocks: the host's wall clock
+
+
+def _linear_seconds(model, rows: int, sampled: int, memo: dict, device: str) -> float:
     """Seconds of a step's linear calls in a Llama model: each layer's 4 at `rows`, the lm_head at `sampled`."""
     layer = model.layers[0]
     total = 0.0
@@ -162,18 +176,20 @@ def _linear_seconds(model, rows: int, sampled: int, memo: dict) -> float:
                            (sampled, (model.lm_head,), 1)):
         key = (n, lins)
         if key not in memo:
-            xs = [torch.randn(n, lin.in_features) for lin in lins]
-            memo[key] = _best(lambda lins=lins, xs=xs: [lin(x) for _ in range(10) for lin, x in zip(lins, xs)], 3) / 10
+            xs = [torch.randn(n, lin.in_features, device=device) for lin in lins]
+            memo[key] = clock.best_seconds(lambda lins=lins, xs=xs: [lin(x) for _ in range(10)
+                                                                     for lin, x in zip(lins, xs)], device) / 10
         total += times * memo[key]
     return total
 
 
-def engine_overheads(steps: int = 12) -> dict[str, float]:
+def engine_overheads(device: str = "cpu", steps: int = 12) -> dict[str, float]:
     """Per-step, per-layer, per-attention-call-per-layer (more for a prefill or a gathered call), per-token
     seconds of the engine itself, fitted on step times of random fp32 models of 2 and 10 layers (hidden
     64), less their linear calls (4 per layer and the lm_head, timed alone at the step's rows): those are
     timed per real shape (whatif/kernels.py). Best times, like every figure here: on a shared machine the
-    least-disturbed run is the reproducible one."""
+    least-disturbed run is the reproducible one. Steps are timed on the host's clock: the core synchronizes
+    a GPU before it samples, so a step's time is what its caller waits."""
     from tokenhaul.config import EngineConfig
     from tokenhaul.engine.attention_calls import attention_calls
     from tokenhaul.engine.core import EngineCore
@@ -194,8 +210,9 @@ def engine_overheads(steps: int = 12) -> dict[str, float]:
                                 ("ffn_down", (64, 96))):
                 w[p + name + ".weight"] = torch.randn(*shape, generator=g)
             w[p + "attn_norm.weight"] = w[p + "ffn_norm.weight"] = torch.ones(64)
-        model = LlamaModel(cfg, w, 1024)
-        core = EngineCore(EngineConfig(model="tiny", dtype="fp32", num_kv_blocks=512, block_size=16), model)
+        model = LlamaModel(cfg, {k: v.to(device) for k, v in w.items()}, 1024)
+        core = EngineCore(EngineConfig(model="tiny", dtype="fp32", device=device, num_kv_blocks=512, block_size=16),
+                          model)
         memo: dict = {}
         for batch, prompt, step in ((1, 4, 0), (1, 8, 0), (16, 8, 0), (4, 48, 4), (4, 48, 4), (2, 8, 992)):
             params = SamplingParams(max_tokens=steps + 1, temperature=0, ignore_eos=True)
@@ -215,7 +232,7 @@ def engine_overheads(steps: int = 12) -> dict[str, float]:
                 continue
             rows = [([(n, n) for n in lengths], pre)] if max(lengths) < 100 else []  # long prompts: attention-bound
             for chunks, t in rows + [([(1, n + 1) for n in lengths], min(dec))]:
-                t -= _linear_seconds(model, sum(q for q, _ in chunks), batch, memo)
+                t -= _linear_seconds(model, sum(q for q, _ in chunks), batch, memo, device)
                 calls = attention_calls(chunks, 16)
                 gathered = sum(len(c) > 1 for c in calls)
                 prefill_calls = sum(chunks[c[0]][0] > 1 for c in calls)
@@ -231,34 +248,51 @@ def engine_overheads(steps: int = 12) -> dict[str, float]:
             "gather_s": max(0.0, gather_s), "token_s": max(0.0, token_s)}
 
 
-def measure_profile() -> dict:
-    """Measure every figure of this machine's profile (about half a minute on 2 cores)."""
+def _tiers(device: str, read_bw: float) -> list[dict]:
+    """Caches (they hold nothing) and the memory weights and K/V live in, with its capacity."""
+    if clock.is_cuda(device):
+        props = torch.cuda.get_device_properties(torch.device(device))
+        return [{"name": "L2", "capacity": float(props.L2_cache_size), "bandwidth": 0.0, "holds": False},
+                {"name": "VRAM", "capacity": float(props.total_memory), "bandwidth": read_bw}]
+    return [{"name": "L2", "capacity": _cache_bytes(2), "bandwidth": 0.0, "holds": False},
+            {"name": "L3", "capacity": _cache_bytes(3), "bandwidth": 0.0, "holds": False},
+            {"name": "DRAM", "capacity": _ram_bytes(), "bandwidth": read_bw}]
+
+
+def measure_profile(device: str = "cpu", sizes: Sizes | None = None) -> dict:
+    """Measure every figure of the profile of `device` (about half a minute on 2 CPU cores)."""
+    sizes = sizes or sizes_for(device)
     t0 = time.perf_counter()
-    read_bw = cal.measure_bandwidth(nbytes=2**29)
+    read_bw = cal.measure_bandwidth(device, nbytes=sizes.read_bytes)
     flops, kernel_bw, weight_only = {}, {}, {}
     for fmt in available_formats():
-        kernel_bw[fmt], rate = linear_rates(fmt, read_bw)
-        (flops if fmt in FORMATS else weight_only)[fmt] = rate
-    gather_bw, flops["attention"] = attention_rates(read_bw)
-    return {
-        "name": THIS_MACHINE, "description": f"{cal.machine_key()} (calibrated)", "chips": 1,
+        kernel_bw[fmt], rate = linear_rates(fmt, read_bw, device, sizes)
+        (flops if fmt in DENSE else weight_only)[fmt] = rate
+    gather_bw, flops["attention"] = attention_rates(read_bw, device, sizes)
+    description = f"{cal.machine_key(device)} (calibrated)"
+    entry = {}
+    if clock.is_cuda(device):
+        entry["host_link"] = link = host_link(device, sizes.host_bytes, sizes.repeats)
+        description += (f"; host↔device {link['to_device'] / 1e9:.1f} / {link['to_host'] / 1e9:.1f} GB/s, "
+                        f"{link['latency_s'] * 1e6:.0f} µs back (inside the fitted overheads)")
+    return entry | {
+        "name": profile_name(device), "description": description, "device": device, "chips": 1,
         "paged_kernel": "gather", "flops": flops, "weight_only_flops": weight_only, "kernel_bandwidth": kernel_bw,
-        "gather_bandwidth": gather_bw, "activation_bandwidth": activation_bandwidth(),
-        "overhead": engine_overheads(),
-        "tier": [{"name": "L2", "capacity": _cache_bytes(2), "bandwidth": 0.0, "holds": False},
-                 {"name": "L3", "capacity": _cache_bytes(3), "bandwidth": 0.0, "holds": False},
-                 {"name": "DRAM", "capacity": _ram_bytes(), "bandwidth": read_bw}],
+        "gather_bandwidth": gather_bw, "activation_bandwidth": activation_bandwidth(device, sizes),
+        "overhead": engine_overheads(device, sizes.steps), "tier": _tiers(device, read_bw),
         "measure_seconds": time.perf_counter() - t0,
     }
 
 
-def this_machine(remeasure: bool = False, root: Path | None = None) -> Hardware:
-    """This machine's calibrated profile: from the cache file, else measured now (and stored)."""
-    key = cal.machine_key() + " | whatif-profile"
+def this_machine(remeasure: bool = False, root: Path | None = None, device: str = "cpu") -> Hardware:
+    """The calibrated profile of `device` here (`this-machine`, or `this-machine-cuda` for a GPU): from the
+    cache file, else measured now (and stored). TokenhaulError where the device cannot be measured."""
+    clock.check_device(device)
+    key = cal.machine_key(device) + " | whatif-profile"
     entry = None if remeasure else cal.load_entry(key, root)
     # measured again when a kernel was registered after the cached entry was made
     if entry is None or not set(available_formats()) <= set(entry["flops"]) | set(entry.get("weight_only_flops", {})):
-        entry = measure_profile()
+        entry = measure_profile(device)
         cal.store_entry(key, entry, root)
-    hw = from_dict(entry, THIS_MACHINE, str(cal.calibration_path(root)))
-    return dataclasses.replace(hw, linear_times=LinearTimes(available_formats(), root, remeasure))
+    hw = from_dict(entry, profile_name(device), str(cal.calibration_path(root)))
+    return dataclasses.replace(hw, linear_times=LinearTimes(available_formats(), root, remeasure, device))
