@@ -24,7 +24,7 @@ def compiled_core(arch: str, quant: str) -> EngineCore:
     return EngineCore(cfg, tiny_model(arch, make=make))
 
 
-@pytest.mark.parametrize("arch,quant", [("llama", "int4"), ("gemma3", "none")])
+@pytest.mark.parametrize("arch,quant", [("llama", "int4"), ("llama", "int8"), ("gemma3", "none")])
 def test_compiled_step_matches_eager(arch, quant):
     """Each compiled batch-1 decode step is re-run eagerly on the same state; the logits agree. gemma3's
     sliding window (6) is crossed, and contexts span 3 to 8 blocks of 4."""

@@ -13,6 +13,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from tokenhaul.errors import TokenhaulError
+from tokenhaul.layers import int8_gemv
 from tokenhaul.layers.gguf_weight import GGUFWeight
 from tokenhaul.layers.linear_int4 import Int4Linear, groups_of, pack_cpu, unpack_cpu
 from tokenhaul.layers.linear_int8 import Int8Linear
@@ -116,7 +117,7 @@ def test_int8_kernels_match_float_reference(n, k16, m, bias, seed):
     assert ((w - deq).abs() <= w.abs().amax(1, keepdim=True) / 126 * 0.51 + 1e-6).all()
     x = torch.randn(m, k, generator=g)
     ref = x @ deq.t() + (0 if b is None else b)
-    lin.packed_rows = m  # the packed kernel
+    lin.packed_rows, lin.gemv = m, False  # the packed kernel
     xb = x.bfloat16().float()
     tol = 0.01 * (xb.abs() @ deq.abs().t()) + 1e-3
     assert ((lin(x) - (xb @ deq.t() + (0 if b is None else b))).abs() <= tol).all()
@@ -125,6 +126,38 @@ def test_int8_kernels_match_float_reference(n, k16, m, bias, seed):
     assert y.shape == (m, n) and y.dtype == torch.float32
     row_scale = x.abs().amax(1, keepdim=True) / 127
     assert ((y - ref).abs() <= row_scale / 508 * deq.abs().sum(1) * 1.001 + 1e-4 * (x.abs() @ deq.abs().t())).all()
+
+
+@settings(max_examples=25, deadline=None)
+@given(n=st.integers(1, 300), k=st.integers(1, 5000), m=st.integers(1, 8), bias=st.booleans(),
+       seed=st.integers(0, 2**16))
+def test_int8_gemv_matches_float_reference(n, k, m, bias, seed):
+    """The C++ few-row kernel against fp32 x @ dequant^T (+ b), for any width (SIMD body and scalar tail, int32
+    flushes past 4096 inputs): within the rounding of its 16-bit activations, |error| <= s / 2 * sum |w| per
+    output (s = max |x| / 32767 of the row), plus fp32 rounding."""
+    if not int8_gemv.available():
+        pytest.skip("no C++ compiler")
+    g = torch.Generator().manual_seed(seed)
+    w = torch.randn(n, k, generator=g)
+    b = torch.randn(n, generator=g) if bias else None
+    lin = Int8Linear(*_int8_parts(w), None if b is None else b.float())
+    deq = lin.dequantize()
+    x = torch.randn(m, k, generator=g).bfloat16()
+    ref = x.float() @ deq.t() + (0 if b is None else b)
+    lin.gemv_rows = lambda m, k: True
+    y = lin(x).float()
+    row_scale = x.float().abs().amax(1, keepdim=True) / 32767
+    bound = row_scale / 2 * deq.abs().sum(1) * 1.001 + 1e-5 * (x.float().abs() @ deq.abs().t())
+    # the output is x's dtype (bf16): its rounding on top
+    assert ((y - ref).abs() <= bound + ref.abs() * 2 ** -8).all()
+    assert y.shape == (m, n) and lin(x).dtype == torch.bfloat16
+
+
+def _int8_parts(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per-row int8 codes and bf16 scales for any width (Int8Linear.build asks for multiples of 16)."""
+    scale = (w.abs().amax(dim=1) / 126.5).bfloat16().float()
+    q = (w / torch.where(scale == 0, 1.0, scale)[:, None]).round().clamp(-127, 127).to(torch.int8)
+    return q, scale.bfloat16()
 
 
 def test_int8_integer_path_is_batch_invariant():

@@ -1,7 +1,8 @@
-"""8-bit per-channel weights (symmetric, one scale per row). A few rows run `_weight_int8pack_mm` (bf16
-activations); more rows quantize each activation row on the fly and run the integer GEMM `torch._int_mm`
-(int8 x int8, exact int32 sums), which on this CPU is 1.5-6x the packed kernel from 8 rows on and still 2x
-a bf16 GEMM at 512 rows (bench/linear_kernels.py, bench/RESULTS.md "Speed run 3").
+"""8-bit per-channel weights (symmetric, one scale per row). One row (decode), or a few narrow ones, runs the
+C++ kernel `tokenhaul_int8::gemv` (layers/int8_gemv.py: 1.1-2.5x `_weight_int8pack_mm`), other few-row cases
+`_weight_int8pack_mm` (bf16 activations); more rows quantize each activation row on the fly and run the integer
+GEMM `torch._int_mm` (int8 x int8, exact int32 sums), which on this CPU is 1.5-6x the packed kernel from 8 rows on
+and still 2x a bf16 GEMM at 512 rows (bench/linear_kernels.py, bench/RESULTS.md "Speed run 3").
 
 Each activation row goes in as two int8 rows, hi + lo / 254 (16 bits: the product matches bf16 activations
 times the int8 weight to ~3e-5 relative). One int8 row (8 bits) would be 1.2-2x faster again but costs
@@ -11,6 +12,7 @@ from __future__ import annotations
 
 import torch
 
+from tokenhaul.layers import int8_gemv
 from tokenhaul.layers.linear import Linear, Part, dequantize_part, register
 
 
@@ -28,10 +30,16 @@ def quantize_rows(x: torch.Tensor, split: bool) -> tuple[torch.Tensor, torch.Ten
 
 @register("int8")
 class Int8Linear(Linear):
-    """y = (x_q @ W_q^T) * x_scale * w_scale on CPU for more than `packed_rows` rows; `_weight_int8pack_mm`
-    up to that, and always on CUDA."""
+    """y = (x_q @ W_q^T) * x_scale * w_scale on CPU for more than `packed_rows` rows; up to that the C++ GEMV
+    where its int16 activations stay in L1 (`gemv_rows`), else `_weight_int8pack_mm`; always the latter on CUDA."""
 
     packed_rows = 7  # int8pack ÷ int_mm(16-bit activations) crosses 1 between 4 and 8 rows (RESULTS)
+
+    @staticmethod
+    def gemv_rows(m: int, k: int) -> bool:
+        """The C++ GEMV beats int8pack at one row, and at a few rows while M * K int16 activations stay in L1
+        (measured: 1.3-2.1x at 2-4 rows of 896 inputs, 0.5-0.6x at 2-4 rows of 4864)."""
+        return m == 1 or m * k <= 4096
 
     def __init__(self, weight: torch.Tensor, scales: torch.Tensor, bias: torch.Tensor | None) -> None:
         self.weight = weight  # int8 [out, in]
@@ -40,6 +48,7 @@ class Int8Linear(Linear):
         self.out_features, self.in_features = weight.shape
         self.bias = bias
         self.cuda = weight.device.type == "cuda"
+        self.gemv = not self.cuda and int8_gemv.available()
 
     @classmethod
     def supports(cls, in_features: int, group: int | None) -> bool:
@@ -55,7 +64,9 @@ class Int8Linear(Linear):
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         m = x.shape[0]
-        if self.cuda or m <= self.packed_rows:
+        if self.gemv and m <= self.packed_rows and self.gemv_rows(m, self.in_features):
+            y = torch.ops.tokenhaul_int8.gemv(x, self.weight, self.scales)
+        elif self.cuda or m <= self.packed_rows:
             y = torch.ops.aten._weight_int8pack_mm(x.to(torch.bfloat16), self.weight, self.scales)
         else:
             xq, xs = quantize_rows(x, split=True)

@@ -1,0 +1,125 @@
+// Few-row int8 linear for the CPU (tokenhaul/layers/int8_gemv.py): y [M, N] = (x [M, K] @ W^T) * scale, W int8
+// [N, K] row-major with one scale per row, x bf16, y fp32, M small (decode). Each weight row is read once, widened
+// to int16 and multiplied (madd) into every activation row, itself as int16 codes with one scale per row
+// (15 bits, finer than bf16). Threads take contiguous ranges of rows (long sequential reads for the prefetcher).
+#include <torch/extension.h>
+#include <ATen/Parallel.h>
+
+#include <algorithm>
+#include <cstdint>
+#include <cmath>
+#include <cstring>
+#include <vector>
+
+#ifdef __AVX2__
+#include <immintrin.h>
+#endif
+
+namespace {
+
+inline float bf16_to_float(uint16_t h) {
+  uint32_t u = static_cast<uint32_t>(h) << 16;
+  float f;
+  std::memcpy(&f, &u, 4);
+  return f;
+}
+
+#ifdef __AVX2__
+inline float hsum(__m256 v) {
+  __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+  s = _mm_add_ss(s, _mm_movehdup_ps(s));
+  return _mm_cvtss_f32(s);
+}
+#endif
+
+constexpr int64_t CHUNK = 4096;  // inputs summed in int32 before a flush to fp32: each lane grows < 2 * 127 * 32767 a step, 128 steps < 2^31
+
+constexpr int64_t PREFETCH = 512;  // bytes ahead in the row (measured: 1.1-1.2x the hardware prefetcher alone)
+
+// rows [n0, n1) of W against the M rows of Xq (int16 [M, K], row m's value = Xq * xs[m]);
+// Y [M, N] = Σ_k W[n, k] * Xq[m, k] * xs[m] * scale[n], int32 sums flushed to fp32 every CHUNK inputs
+template <int M>
+void rows_dot(const int8_t* W, const int16_t* Xq, const float* xs, const uint16_t* S, int64_t K, int64_t N,
+              int64_t n0, int64_t n1, float* Y) {
+  for (int64_t n = n0; n < n1; ++n) {
+    const int8_t* w = W + n * K;
+    float sum[M];
+    for (int m = 0; m < M; ++m) sum[m] = 0.f;
+    int64_t k = 0;
+#ifdef __AVX2__
+    for (int64_t c0 = 0; c0 + 32 <= K; c0 += CHUNK) {
+      const int64_t c1 = std::min(K, c0 + CHUNK) & ~int64_t{31};
+      __m256i a0[M], a1[M];
+      for (int m = 0; m < M; ++m) a0[m] = a1[m] = _mm256_setzero_si256();
+      for (k = c0; k < c1; k += 32) {  // 32 weights widened to int16, multiplied and pair-summed to int32
+        _mm_prefetch(reinterpret_cast<const char*>(w + k + PREFETCH), _MM_HINT_T0);
+        const __m256i w0 = _mm256_cvtepi8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(w + k)));
+        const __m256i w1 = _mm256_cvtepi8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(w + k + 16)));
+        for (int m = 0; m < M; ++m) {
+          const __m256i* x = reinterpret_cast<const __m256i*>(Xq + m * K + k);
+          a0[m] = _mm256_add_epi32(a0[m], _mm256_madd_epi16(w0, _mm256_loadu_si256(x)));
+          a1[m] = _mm256_add_epi32(a1[m], _mm256_madd_epi16(w1, _mm256_loadu_si256(x + 1)));
+        }
+      }
+      for (int m = 0; m < M; ++m) sum[m] += hsum(_mm256_add_ps(_mm256_cvtepi32_ps(a0[m]), _mm256_cvtepi32_ps(a1[m])));
+    }
+#endif
+    for (; k < K; ++k)
+      for (int m = 0; m < M; ++m) sum[m] += static_cast<float>(static_cast<int32_t>(w[k]) * Xq[m * K + k]);
+    const float s = bf16_to_float(S[n]);
+    for (int m = 0; m < M; ++m) Y[m * N + n] = sum[m] * xs[m] * s;
+  }
+}
+
+template <int M>
+void run(const int8_t* W, const int16_t* Xq, const float* xs, const uint16_t* S, int64_t K, int64_t N, float* Y) {
+  // grain: at least ~64 KB of weights per task, so a small matrix is not split finer than it pays
+  const int64_t grain = std::max<int64_t>(1, 65536 / std::max<int64_t>(K, 1));
+  at::parallel_for(0, N, grain, [&](int64_t n0, int64_t n1) { rows_dot<M>(W, Xq, xs, S, K, N, n0, n1, Y); });
+}
+
+}  // namespace
+
+constexpr int64_t MAX_ROWS = 8;
+
+at::Tensor int8_gemv(const at::Tensor& x, const at::Tensor& weight, const at::Tensor& scales) {
+  TORCH_CHECK(x.dim() == 2 && x.size(0) >= 1 && x.size(0) <= MAX_ROWS, "x: [M, K] with 1 <= M <= 8");
+  TORCH_CHECK(weight.dtype() == at::kChar && weight.is_contiguous() && weight.dim() == 2, "weight: contiguous int8");
+  TORCH_CHECK(scales.dtype() == at::kBFloat16 && scales.is_contiguous(), "scales: contiguous bf16 [N]");
+  const int64_t M = x.size(0), K = x.size(1), N = weight.size(0);
+  TORCH_CHECK(weight.size(1) == K && scales.numel() == N, "shapes do not match");
+  // each activation row as int16 codes with one fp32 scale (15 bits of its largest value: finer than bf16's 8)
+  const at::Tensor xf = x.to(at::kFloat).contiguous();
+  std::vector<int16_t> xq(M * K);
+  std::vector<float> xs(M);
+  const float* xp = xf.data_ptr<float>();
+  for (int64_t m = 0; m < M; ++m) {
+    float amax = 0.f;
+    for (int64_t k = 0; k < K; ++k) amax = std::max(amax, std::fabs(xp[m * K + k]));
+    xs[m] = amax > 0.f ? amax / 32767.f : 1.f;
+    const float inv = 1.f / xs[m];
+    for (int64_t k = 0; k < K; ++k) xq[m * K + k] = static_cast<int16_t>(std::nearbyint(xp[m * K + k] * inv));
+  }
+  at::Tensor y = at::empty({M, N}, x.options().dtype(at::kFloat));
+  const int8_t* W = weight.data_ptr<int8_t>();
+  const int16_t* X = xq.data();
+  const float* XS = xs.data();
+  const uint16_t* S = reinterpret_cast<const uint16_t*>(scales.data_ptr<at::BFloat16>());
+  float* Y = y.data_ptr<float>();
+  switch (M) {
+    case 1: run<1>(W, X, XS, S, K, N, Y); break;
+    case 2: run<2>(W, X, XS, S, K, N, Y); break;
+    case 3: run<3>(W, X, XS, S, K, N, Y); break;
+    case 4: run<4>(W, X, XS, S, K, N, Y); break;
+    case 5: run<5>(W, X, XS, S, K, N, Y); break;
+    case 6: run<6>(W, X, XS, S, K, N, Y); break;
+    case 7: run<7>(W, X, XS, S, K, N, Y); break;
+    default: run<8>(W, X, XS, S, K, N, Y); break;
+  }
+  return y;
+}
+
+TORCH_LIBRARY(tokenhaul_int8, m) { m.def("gemv(Tensor x, Tensor weight, Tensor scales) -> Tensor"); }
+
+TORCH_LIBRARY_IMPL(tokenhaul_int8, CPU, m) { m.impl("gemv", &int8_gemv); }

@@ -1,0 +1,28 @@
+"""Few-row int8 linear: `torch.ops.tokenhaul_int8.gemv(x bf16 [M <= 8, K], weight int8 [N, K], scales bf16 [N])`
+→ fp32 [M, N], for decode steps of `Int8Linear`, where `_weight_int8pack_mm` streamed ~10 GB/s of the machine's
+~28 (bench/linear_kernels.py, bench/RESULTS.md).
+
+A small C++ kernel (int8_gemv.cpp, built on first use: tokenhaul/native.py), registered as a torch op with a fake
+implementation so the compiled decode step can call it. Without a C++ compiler `Int8Linear` keeps the packed
+torch kernel (one stderr line says so)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+from tokenhaul import native
+
+SOURCE = Path(__file__).with_name("int8_gemv.cpp")
+MAX_ROWS = 8  # the kernel's limit (one template per row count)
+
+
+def _fake(x: torch.Tensor, weight: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
+    return x.new_empty(x.shape[0], weight.shape[0], dtype=torch.float32)
+
+
+def available() -> bool:
+    """Build (once per machine, tokenhaul/native.py) and load the kernel; False, with one stderr line, if not."""
+    return native.load(SOURCE, "few-row int8 linears run torch's _weight_int8pack_mm instead (slower)",
+                       {"tokenhaul_int8::gemv": _fake})
