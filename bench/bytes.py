@@ -7,6 +7,9 @@ The batch-8 rows at 4096 share one cached prefix (prefill once), each sequence s
 
     flock -x /tmp/tokenhaul-bench.lock .venv/bin/python bench/bytes.py [--quick]
 
+Every option runs with the same `--compile` (default off: the batch-1 compiled step refuses --sparsity, so dense
+and sparse rows both run the eager engine); the header names the commit and each option's linear kernels.
+
 The whole grid takes ~27 min; under the exclusive lock run it in parts of a few minutes, each with its own
 baseline row (the first option of a model is its reference), e.g. speed only:
 
@@ -18,6 +21,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import subprocess
 import time
 from pathlib import Path
 
@@ -66,12 +70,14 @@ def decode_rate(llm: LLM, prompts: list[list[int]]) -> tuple[float, dict, list[l
     return sorted(rates)[len(rates) // 2], s, [o.token_ids for o in outs]
 
 
-def run_option(model: str, quant: str, kv: str, sparsity: float, ref: dict | None, ppl: bool, long_ppl: bool) -> dict:
+def run_option(model: str, quant: str, kv: str, sparsity: float, ref: dict | None, ppl: bool, long_ppl: bool,
+               compile_mode: str) -> dict:
     t0 = time.perf_counter()
     llm = LLM(model, quantization=quant, kv_dtype=kv, sparsity=sparsity, max_num_batched_tokens=4096,
-              max_num_seqs=8, kv_memory_gib=0.5)
+              max_num_seqs=8, kv_memory_gib=0.5, compile=compile_mode)
     load_s = time.perf_counter() - t0
-    row = {"model": model, "quantization": quant, "kv_dtype": kv, "sparsity": sparsity, "load_s": load_s}
+    row = {"model": model, "quantization": quant, "kv_dtype": kv, "sparsity": sparsity, "load_s": load_s,
+           "kernels": kernels(llm), "compiled_decode": llm.config.compiled_decode}
     llm.generate([1, 2, 3, 4], SamplingParams(max_tokens=2))  # warm up
     p512 = text_prompts(llm, 8, 500)
     for ctx, base in ((512, p512), (4096, None))[:len(CONTEXTS)]:
@@ -102,6 +108,17 @@ def run_option(model: str, quant: str, kv: str, sparsity: float, ref: dict | Non
         row["agreement"] = sum(a == b for a, b in pairs) / len(pairs)
     row["seconds"] = time.perf_counter() - t0
     return row
+
+
+def kernels(llm: LLM) -> str:
+    """The linear classes one layer and the lm_head run (a SparseLinear names its storage and fallback)."""
+    def name(lin) -> str:
+        if hasattr(lin, "threshold"):
+            return f"Sparse[{lin.storage}{'' if lin.packed is None else ' / ' + type(lin.packed).__name__}]"
+        return type(lin).__name__
+    layer = llm.model.layers[0]
+    return f"layers {'/'.join(sorted({name(getattr(layer, n)) for n in ('qkv', 'o', 'gate_up', 'down')}))}, " \
+           f"lm_head {name(llm.model.lm_head)}"
 
 
 def kernel_count(llm: LLM, prompt: list[int]) -> dict:
@@ -177,7 +194,12 @@ def main() -> None:
     ap.add_argument("--no-kernels", action="store_true", help="skip the gathered-vs-dense kernel table")
     ap.add_argument("--contexts", default="512,4096", choices=["512", "512,4096"])
     ap.add_argument("--json", default="bench/bytes.json")
+    ap.add_argument("--compile", default="off", choices=["off", "auto"],
+                    help="the batch-1 compiled step for every option (auto compiles dense bf16/int8 rows only)")
     args = ap.parse_args()
+    rev = subprocess.run(["git", "log", "-1", "--format=%h %cI %s"], capture_output=True, text=True,
+                         cwd=Path(__file__).parent).stdout.strip()
+    print(f"commit {rev[:100]}; --compile {args.compile}; {args.threads} threads", flush=True)
     CONTEXTS[:] = [int(c) for c in args.contexts.split(",")]
     torch.set_num_threads(args.threads)
     if not args.no_kernels:
@@ -190,10 +212,11 @@ def main() -> None:
         if (models and model not in models) or (options and (quant, kv, f"{sp:g}") not in options):
             continue
         r = run_option(model, quant, kv, sp, refs.get(model), not args.no_ppl,
-                       long_ppl=(sp == 0.0 and model == "smollm2-135m"))
+                       long_ppl=(sp == 0.0 and model == "smollm2-135m"), compile_mode=args.compile)
         refs.setdefault(model, r)
         rows.append(r)
-        print(f"{model} {quant}/{kv}/{sp}: done in {r['seconds']:.0f} s", flush=True)
+        print(f"{model} {quant}/{kv}/{sp}: done in {r['seconds']:.0f} s; {r['kernels']}; compiled decode "
+              f"{r['compiled_decode']}", flush=True)
     print("\n| model | quant | KV | sparsity | weight MB/tok | KV kB/tok @512 / @4096 | tok/s b1 512 | b8 512 | "
           "b1 4096 | b8 4096 | ppl (512 win) | ppl (4096 win, en) | greedy agree |")
     print("|---|---|---|---|---|---|---|---|---|---|---|---|---|")

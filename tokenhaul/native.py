@@ -22,13 +22,16 @@ def _flags() -> tuple[str, list[str]]:
     return "generic", ["-O3"]
 
 
-def load(source: Path, slower: str, fakes: dict[str, Callable] | None = None) -> bool:
+def load(source: Path, slower: str, fakes: dict[str, Callable] | None = None, parallel: bool = False) -> bool:
     """Build and load `source` once per process, registering `fakes` (op name → shape function, for
-    torch.compile); False (and `slower`, the fallback's cost, on stderr) if not."""
+    torch.compile); False (and `slower`, the fallback's cost, on stderr) if not. `parallel` compiles with
+    -fopenmp: at::parallel_for is inline in torch's headers and runs serially in a build without it (the
+    OpenMP calls resolve to torch's own libgomp, so its thread pool is shared)."""
     if source not in _loaded:
         from torch.utils.cpp_extension import load as build
 
         flavour, flags = _flags()
+        flags = flags + ["-fopenmp"] if parallel else flags
         try:
             build(f"tokenhaul_{source.stem}_{flavour}", [str(source)], extra_cflags=flags, is_python_module=False,
                   verbose=bool(os.environ.get("TOKENHAUL_VERBOSE_BUILD")))

@@ -1,43 +1,52 @@
 """Activation sparsity (TEAL-style, training-free): inputs under a calibrated magnitude are zeroed and the
-weight columns of those inputs are never read.
+weight rows of those inputs are never read.
 
 The weight is stored by input channel, `[in, out]`: one contiguous row per input, so a skipped input's
 bytes are never touched. A step of up to `max_rows` rows runs a gathered GEMV over each row's kept inputs
-(Σ x_i · W[i, :] over kept i, no copy of the rows: sparse_gemv.cpp for bf16 and int8 rows, `embedding_bag`
-otherwise); bigger steps (prefill, batches, where the rows' kept sets together cover most inputs) run one
-dense pass on the zeroed inputs (a packed format's own kernel, kept beside the rows).
-Storage follows the wrapped linear's bits: float rows as they are ("dense"); "int8" rows quantized per
-input channel (fbgemm's rowwise layout: uint8 values then an fp32 scale and offset per row); "int4" rows
-split into groups of GROUP4 outputs, each 4-bit with an fp16 scale and offset (4.5 bits per weight), one
-bag per output group (the gathered rows of a group stay contiguous: 36 bytes).
+(Σ x_i · W[i, :] over kept i: sparse_gemv.cpp, or the same sum in torch ops without a compiler); bigger steps
+(prefill, batches, where the rows' kept sets together cover most inputs) run one dense pass on the zeroed
+inputs (a packed format's own kernel, kept beside the rows).
+Storage follows the wrapped linear's bits: float rows as they are ("dense"); "int8" codes per input channel
+with an fp32 (scale, offset) per channel beside them; "int4" the wrapped Int4Linear's own codes and
+(scale, zero) per (group of inputs, output), the codes laid out by input channel (nibbles along the outputs),
+so the values are exactly the wrapped linear's and a skipped channel's codes are never read.
 """
 
 from __future__ import annotations
 
-import sys
-from pathlib import Path
-
 import torch
-import torch.nn.functional as F
 
 from tokenhaul import native
 from tokenhaul.layers.linear import Linear, register
 
-# Rows at or under which the gathered kernel runs: bench/bytes.py's kernel table (all 120 SmolLM2 projections,
-# sparsity 0.4, quiet machine, 2026-11-30 22:35, fused kernel): dense / gathered time at M=1, 2, 4 rows: bf16
-# 1.56, 1.03, 0.76; int8 0.88, 0.73, 0.57 (int8pack's GEMV streams ~10 GB/s; gathered rowwise-int8 rows do
-# not beat it even at 40 % fewer bytes). 4-bit bags: 0.18x dense int4 at M=1: bytes fall, time does not.
+# Rows at or under which the gathered kernel runs (bench/bytes.py's kernel table, dense / gathered time): bf16
+# rows gather for batch-1 and batch-2 steps; packed rows (int8, int4) for batch-1 decodes only.
 MAX_ROWS = 2
-# int8 (and int4) rows gather only for batch-1 decodes; bigger steps run the packed linear itself (kept beside
-# the rows) on the zeroed inputs: 8 rows cost 0.59x a dense int8pack pass gathered, ~2x through dequantized rows.
 MAX_ROWS_PACKED = 1
-GROUP4 = 64  # outputs per 4-bit row group
-SOURCE = Path(__file__).with_name("sparse_gemv.cpp")
+SOURCE = __import__("pathlib").Path(__file__).with_name("sparse_gemv.cpp")
 
 
-def _rowwise_int8(wt: torch.Tensor) -> torch.Tensor:
-    """[in, out] float → fbgemm rowwise int8 [in, out + 8] (per-row fp32 scale and offset appended)."""
-    return torch.ops.quantized.embedding_bag_byte_prepack(wt.float().contiguous())
+def _int8_rows(wt: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """[in, out] float → (uint8 codes [in, out], fp32 [in, 2] scale and offset): value = code * scale + offset."""
+    lo, hi = wt.amin(1), wt.amax(1)
+    scale = ((hi - lo) / 255).clamp_min(1e-12)
+    q = ((wt - lo[:, None]) / scale[:, None]).round().clamp(0, 255).to(torch.uint8)
+    return q.contiguous(), torch.stack([scale, lo], 1).contiguous()
+
+
+def _int4_rows(inner: Linear) -> tuple[torch.Tensor, torch.Tensor, int] | None:
+    """An Int4Linear's codes by input channel [in, out / 2] (per 16 outputs 8 bytes, byte b = q[b] | q[b + 8]
+    << 4) and its (scale, zero) as [in / group, 2, out] bf16; None where it has no such groups."""
+    sz, group, n = getattr(inner, "scales_zeros", None), getattr(inner, "group", None), inner.out_features
+    if sz is None or group is None or n % 16 or sz.dtype != torch.bfloat16:
+        return None
+    sz = sz[:, :n].float()  # [in / group, out, 2]: value = (q - 8) * scale + zero
+    w = inner.dequantize(torch.float32).t().reshape(-1, group, n)  # [in / group, group, out]
+    scale, zero = sz[..., 0][:, None], sz[..., 1][:, None]
+    q = ((w - zero) / torch.where(scale == 0, 1.0, scale) + 8).round().clamp(0, 15).to(torch.uint8)
+    q = q.reshape(-1, n // 16, 2, 8)
+    rows = (q[:, :, 0] | q[:, :, 1] << 4).reshape(-1, n // 2)
+    return rows.contiguous(), sz.permute(0, 2, 1).contiguous().to(torch.bfloat16), group
 
 
 @register("sparse")
@@ -46,90 +55,97 @@ class SparseLinear(Linear):
 
     def __init__(self, rows: torch.Tensor, storage: str, threshold: float, out_features: int,
                  bias: torch.Tensor | None, max_rows: int = MAX_ROWS, sparsity: float = 0.0,
-                 packed: Linear | None = None) -> None:
-        self.rows = rows  # [in, out] (bf16 / fp32) or [in, out + 8] uint8 rowwise int8
-        self.storage = storage  # "dense" (float rows) or "int8"
+                 packed: Linear | None = None, scales: torch.Tensor | None = None, group: int = 0) -> None:
+        self.rows = rows  # [in, out] float, [in, out] uint8 (int8) or [in, out / 2] uint8 (int4)
+        self.storage = storage  # "dense", "int8" or "int4"
+        self.scales = scales  # int8: fp32 [in, 2]; int4: bf16 [in / group, 2, out]
+        self.group = group
         self.threshold = threshold
         self.out_features = out_features
-        self.groups = out_features // GROUP4 if storage == "int4" else 1  # stored rows per input channel
-        self.in_features = rows.shape[0] // self.groups
+        self.in_features = rows.shape[0]
         self.bias = bias
         self.max_rows = max_rows
         self.sparsity = sparsity  # the calibrated target share of inputs under the threshold (for the ledger)
-        self.touched_bytes = 0  # bytes of weight rows the kernels read since the last reset (tests, bench)
         self.packed = packed  # the wrapped packed linear: the dense pass for steps over max_rows
-        # int8 and bf16 rows have a fused gathered GEMV (sparse_gemv.cpp): the torch path below costs ~10 small
-        # ops per call, which ate the bytes it saved on a quiet machine (int8: 0.78x dense, bench/bytes.py)
-        self.fused = (storage == "int8" or rows.dtype == torch.bfloat16) and native.load(
-            SOURCE, "sparse GEMVs run as several torch ops instead (slower)")
+        self.kept = torch.zeros(2, dtype=torch.long)  # the kernel's own count: kept channels, int4 groups read
+        self.dense_bytes = 0
+        self.fused = (storage != "dense" or rows.dtype == torch.bfloat16) and native.load(
+            SOURCE, "sparse GEMVs run as several torch ops instead (slower)", parallel=True)
 
     @classmethod
     def wrap(cls, inner: Linear, threshold: float, max_rows: int | None = None,
              sparsity: float = 0.0) -> SparseLinear:
-        """Same bits as `inner`: dense stays at its dtype, packed formats (int8, int4) become rowwise int8
-        (int4 has no gathered kernel here; rowwise int8 is the nearest that does)."""
+        """Same bits as `inner`: dense stays at its dtype, int8 becomes int8 per input channel, int4 keeps its
+        own codes and group scales (other packed formats: int8 per input channel)."""
+        packed, scales, group = inner, None, 0
+        int4 = _int4_rows(inner) if inner.format == "int4" else None
         if inner.format == "dense":  # fp32 dense is already stored [in, out]
             w = inner.weight
-            rows, storage = (w if inner.transposed else w.t()).contiguous(), "dense"
-        elif inner.format == "int4" and inner.out_features % GROUP4 == 0:
-            wt = inner.dequantize(torch.float32).t().reshape(-1, GROUP4)  # [in * out / G, G]
-            rows, storage = torch.ops.quantized.embedding_bag_4bit_prepack(wt.contiguous()), "int4"
+            rows, storage, packed = (w if inner.transposed else w.t()).contiguous(), "dense", None
+        elif int4 is not None:
+            (rows, scales, group), storage = int4, "int4"
         else:
-            rows, storage = _rowwise_int8(inner.dequantize(torch.float32).t()), "int8"
-        packed = inner if storage != "dense" else None
+            (rows, scales), storage = _int8_rows(inner.dequantize(torch.float32).t()), "int8"
         if max_rows is None:
             max_rows = MAX_ROWS if packed is None else MAX_ROWS_PACKED
-        return cls(rows, storage, threshold, inner.out_features, inner.bias, max_rows, sparsity, packed)
+        return cls(rows, storage, threshold, inner.out_features, inner.bias, max_rows, sparsity, packed, scales,
+                   group)
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        if x.shape[0] <= self.max_rows and self.fused:  # one C++ call: find the kept inputs, read their rows
-            y, kept = torch.ops.tokenhaul_sparse.gemv(x.float().contiguous(), self.threshold, self.rows,
-                                                      self.out_features)
-            self.touched_bytes += int(kept.sum()) * self.row_bytes
-            return self._add_bias(y).to(x.dtype)
-        keep = x.abs() >= self.threshold
-        if x.shape[0] > self.max_rows and self.packed is not None:
-            self.touched_bytes += self.rows.nbytes  # the same weights in the packed layout, all of them
-            return self.packed(torch.where(keep, x, 0))
-        if x.shape[0] > self.max_rows:
-            return self._add_bias(self._dense(torch.where(keep, x, 0))).to(x.dtype)
-        if x.shape[0] == 1:  # batch-1 decode: fewer small ops
-            cols = keep[0].nonzero().flatten()
-            rows, offsets = torch.zeros_like(cols), cols.new_zeros(1)
-        else:
-            rows, cols = keep.nonzero(as_tuple=True)
-            offsets = torch.searchsorted(rows, torch.arange(x.shape[0], device=x.device))
-        self.touched_bytes += cols.numel() * self.row_bytes
-        if self.storage == "int4":  # one bag per output group j: rows i * groups + j over the kept inputs i
-            j = torch.arange(self.groups, device=x.device).view(-1, 1)
-            ends = torch.cat([offsets[1:], offsets.new_tensor([cols.numel()])])
-            y = torch.stack([self._bags4(cols[s:e], x[r, cols[s:e]].float(), j)
-                             for r, (s, e) in enumerate(zip(offsets.tolist(), ends.tolist()))])
-        elif self.storage == "int8":
-            y = torch.ops.quantized.embedding_bag_byte_rowwise_offsets(
-                self.rows, cols, offsets, False, 0, False, x[rows, cols].float())
-        else:
-            y = F.embedding_bag(cols, self.rows, offsets, mode="sum",
-                                per_sample_weights=x[rows, cols].to(self.rows.dtype))
-        return self._add_bias(y.float()).to(x.dtype)
+        if x.shape[0] <= self.max_rows:
+            if self.fused:  # one C++ call: find the kept inputs, read their rows, add the bias
+                return torch.ops.tokenhaul_sparse.gemv(x.contiguous(), self.threshold, self.rows, self.scales,
+                                                       self.out_features, self.group, self.bias, self.kept)
+            return self.reference(x).to(x.dtype)
+        xz = torch.where(x.abs() >= self.threshold, x, 0)
+        self.dense_bytes += self.weight_bytes
+        if self.packed is not None:
+            return self.packed(xz)
+        return self._add_bias((xz.to(self.rows.dtype) @ self.rows).float()).to(x.dtype)
 
-    def _bags4(self, cols: torch.Tensor, w: torch.Tensor, j: torch.Tensor) -> torch.Tensor:
-        idx = (cols.view(1, -1) * self.groups + j).flatten()  # group-major: bag j holds group j of each row
-        offsets = j.flatten() * cols.numel()
-        return torch.ops.quantized.embedding_bag_4bit_rowwise_offsets(
-            self.rows, idx, offsets, False, 0, False, w.repeat(self.groups)).flatten()
+    def reference(self, x: torch.Tensor) -> torch.Tensor:
+        """The gathered GEMV in torch ops (fp32 out): each row reads its kept inputs' rows (no compiler; tests)."""
+        out = []
+        for xr in x.float():
+            cols = (xr.abs() >= self.threshold).nonzero().flatten()
+            self.kept[0] += cols.numel()
+            if self.storage == "int4":
+                self.kept[1] += cols.div(self.group, rounding_mode="floor").unique().numel()
+            out.append(xr[cols] @ self.dequantized_rows(cols))
+        return self._add_bias(torch.stack(out))
 
-    def _dense(self, x: torch.Tensor) -> torch.Tensor:
-        self.touched_bytes += self.rows.nbytes
-        return (x.to(self.rows.dtype) @ self.rows).float()
+    def dequantized_rows(self, cols: torch.Tensor) -> torch.Tensor:
+        """The fp32 weight rows of input channels `cols`, [len(cols), out]."""
+        r = self.rows[cols]
+        if self.storage == "dense":
+            return r.float()
+        if self.storage == "int8":
+            s = self.scales[cols]
+            return r.float() * s[:, :1] + s[:, 1:]
+        r = r.view(-1, self.out_features // 16, 8)
+        q = torch.stack([r & 15, r >> 4], 2).reshape(-1, self.out_features)  # per 16 outputs: 8 low, 8 high
+        sz = self.scales[cols.div(self.group, rounding_mode="floor")].float()  # [len, 2, out]
+        return (q.float() - 8) * sz[:, 0] + sz[:, 1]
 
     @property
     def row_bytes(self) -> int:
-        """Bytes of one input channel's row (int8: its scale and offset included)."""
-        return self.rows.shape[1] * self.rows.element_size() * self.groups
+        """Bytes read per kept input channel (int8: its scale and offset included; int4: its codes only)."""
+        return self.rows.shape[1] * self.rows.element_size() + (8 if self.storage == "int8" else 0)
+
+    @property
+    def touched_bytes(self) -> int:
+        """Weight bytes the kernels read since the last reset (tests, bench/bytes.py)."""
+        group_bytes = 4 * self.out_features if self.storage == "int4" else 0
+        return int(self.kept[0]) * self.row_bytes + int(self.kept[1]) * group_bytes + self.dense_bytes
+
+    @touched_bytes.setter
+    def touched_bytes(self, value: int) -> None:
+        assert value == 0, "reset only"
+        self.kept.zero_()
+        self.dense_bytes = 0
 
     def tensors(self) -> list[torch.Tensor]:
-        return [self.rows] + ([] if self.bias is None else [self.bias])
+        return [t for t in (self.rows, self.scales, self.bias) if t is not None]
 
 
 SPARSE_LINEARS = ("qkv", "o", "gate_up", "down")  # every projection of a layer; and the lm_head, keyed "lm_head"
@@ -137,9 +153,6 @@ SPARSE_LINEARS = ("qkv", "o", "gate_up", "down")  # every projection of a layer;
 
 def sparsify(model, thresholds: dict[str, float], sparsity: float, max_rows: int | None = None) -> None:
     """Replace each layer projection named in `thresholds` ("blk.{i}.{name}") by its SparseLinear."""
-    if any(getattr(v, "format", "") == "int4" for layer in model.layers for v in vars(layer).values()):
-        print("tokenhaul: --sparsity with int4 weights reads fewer bytes but decodes slower here (4-bit gathered "
-              "kernel, bench/bytes.py); --quantization int8 or none gain speed", file=sys.stderr)
     for i, layer in enumerate(model.layers):
         for name in SPARSE_LINEARS:
             key = f"blk.{i}.{name}"

@@ -64,7 +64,7 @@ class ModelCosts:
         for layer in model.layers:
             for name, v in vars(layer).items():
                 if hasattr(v, "threshold"):  # a SparseLinear: reads only its kept inputs' rows
-                    sparse[v.max_rows] = sparse.get(v.max_rows, 0) + v.rows.nbytes
+                    sparse[v.max_rows] = sparse.get(v.max_rows, 0) + v.row_bytes * v.in_features
                     sparsity = v.sparsity
                 if hasattr(v, "weight_bytes"):
                     fmt = getattr(v, "format", "dense")
