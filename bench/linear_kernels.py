@@ -3,9 +3,10 @@
 
 int8 per-channel: `_weight_int8pack_mm` (bf16 activations) vs the integer GEMM `torch._int_mm` with 8-bit
 activations (one int8 row per row) or 16-bit (two int8 rows per row, the engine's) vs dequantize + bf16 GEMM,
-on the SmolLM2 / Qwen2.5-0.5B lm_heads and Qwen's int8 layers. int4 group 32: `_weight_int4pack_mm_for_cpu`
-vs `dense_t()` (C++ dequantization) + bf16 GEMM over one layer's four linears. Each time is the median over
-enough distinct copies of the weights to miss the 32 MiB L3.
+on the SmolLM2 / Qwen2.5-0.5B lm_heads and Qwen's int8 layers. int4 group 32: the C++ GEMV (int4_gemv.cpp)
+vs `_weight_int4pack_mm_for_cpu` per layer linear at 1-4 rows (GB/s of packed weights + scales read), and
+int4pack vs `dense_t()` (C++ dequantization) + bf16 GEMM over one layer's four linears. Each time is the median
+over enough distinct copies of the weights to miss the 32 MiB L3.
 
     flock -x /tmp/tokenhaul-bench.lock .venv/bin/python bench/linear_kernels.py
 """
@@ -39,6 +40,33 @@ def median_ms(calls, repeats: int) -> float:
             f()
         times.append(time.perf_counter() - t)
     return statistics.median(times) * 1e3
+
+
+def int4_gemv_table(rows: list[int]) -> None:
+    """The C++ GEMV against int4pack on each layer linear, ~100 MB of distinct copies per shape."""
+    from tokenhaul.layers import int4_gemv
+
+    assert int4_gemv.available(), "int4_gemv.cpp did not build"
+    print("\n| int4 linear | rows | int4pack µs | GB/s | C++ GEMV µs | GB/s | int4pack ÷ GEMV |")
+    print("|---|---|---|---|---|---|---|")
+    ratios = {m: [] for m in rows}
+    for layer, shapes in LAYERS.items():
+        for (n, k), part in zip(shapes, ("qkv", "o", "gate_up", "down"), strict=True):
+            copies = max(2, int(100e6 // (n * k * 5 // 8)))
+            lins = [Int4Linear.build([torch.randn(n, k) * 0.02], None, torch.bfloat16, CPU, 32) for _ in range(copies)]
+            nbytes = lins[0].weight.numel() + lins[0].scales_zeros.numel() * 2
+            for m in rows:
+                x = torch.randn(m, k).bfloat16()
+                pack = [lambda lin=lin, x=x: torch.ops.aten._weight_int4pack_mm_for_cpu(
+                    x, lin.weight, 32, lin.scales_zeros) for lin in lins]
+                gemv = [lambda lin=lin, x=x: torch.ops.tokenhaul_int4.gemv(x, lin.weight, lin.scales_zeros, 32)
+                        for lin in lins]
+                p, g = median_ms(pack, 9) / copies * 1e3, median_ms(gemv, 9) / copies * 1e3
+                ratios[m].append(p / g)
+                print(f"| {layer.split()[0]} {part} {n}×{k} | {m} | {p:.1f} | {nbytes / p / 1e3:.1f} | {g:.1f} | "
+                      f"{nbytes / g / 1e3:.1f} | {p / g:.2f}× |", flush=True)
+    for m, r in ratios.items():
+        print(f"rows {m}: int4pack ÷ GEMV, geometric mean {statistics.geometric_mean(r):.2f}×")
 
 
 def int4_table(rows: list[int]) -> None:
@@ -77,16 +105,28 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__)
     ap.add_argument("--rows", default="1,2,4,8,32,64")
     ap.add_argument("--int4-rows", default="16,32,48,64,128")
+    ap.add_argument("--gemv-rows", default="1,2,4")
+    ap.add_argument("--only", choices=["int8", "int4", "gemv"], help="one table only")
     ap.add_argument("--threads", type=int, default=2)
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
+    if args.only in (None, "gemv"):
+        int4_gemv_table([int(r) for r in args.gemv_rows.split(",")])
+    if args.only in (None, "int8"):
+        int8_table([int(r) for r in args.rows.split(",")])
+    if args.only in (None, "int4"):
+        int4_table([int(r) for r in args.int4_rows.split(",")])
+
+
+def int8_table(rows: list[int]) -> None:
+    """int8 per-channel kernels on the lm_heads and Qwen's int8 layers."""
     modes = ["int8pack", "int_mm a8", "int_mm a16", "dequant+bf16"]
     print("| shape | rows | " + " | ".join(f"{m} ms" for m in modes) + " | int8pack ÷ a8 | int8pack ÷ a16 |")
     print("|---|---|" + "---|" * (len(modes) + 2))
     for name, (n, k) in SHAPES.items():
         copies = max(1, int(64e6 // (n * k)))
         lins = [Int8Linear.build([torch.randn(n, k) * 0.02], None, torch.bfloat16, CPU) for _ in range(copies)]
-        for m in (int(r) for r in args.rows.split(",")):
+        for m in rows:
             x = torch.randn(m, k).bfloat16()
             res = {}
             for mode in modes:
@@ -97,7 +137,6 @@ def main() -> None:
             cells = " | ".join(f"{res[m]:.3f}" if m in res else "–" for m in modes)
             print(f"| {name} | {m} | {cells} | {res['int8pack'] / res['int_mm a8']:.2f}× | "
                   f"{res['int8pack'] / res['int_mm a16']:.2f}× |", flush=True)
-    int4_table([int(r) for r in args.int4_rows.split(",")])
 
 
 if __name__ == "__main__":

@@ -102,6 +102,55 @@ def test_int4_kernel_matches_float_reference(n, k_groups, m, group, bias, seed):
 
 
 @settings(max_examples=25, deadline=None)
+@given(n=st.integers(1, 300), k_groups=st.integers(1, 9), m=st.integers(1, 9), group=st.sampled_from([32, 64, 128]),
+       threads=st.sampled_from([1, 2, 3]), seed=st.integers(0, 2**16))
+def test_int4_gemv_matches_float_reference(n, k_groups, m, group, threads, seed):
+    """The C++ GEMV (int4_gemv.cpp) against x @ dequant^T in fp64: with fp32 activations and output,
+    |error| <= 1e-4 * sum |x_i w_i| — fp32 rounding of per-group sums of codes, the low nibbles' sum taken as a
+    difference of sums of bytes up to 255 (worst seen 1.3e-5); with bf16 activations and output, bf16 rounding
+    (2^-8 relative) on top. Each row's result is the same whatever rows share the call; the thread count only
+    moves where blocks are split."""
+    from tokenhaul.layers import int4_gemv
+
+    assert int4_gemv.available()
+    g = torch.Generator().manual_seed(seed)
+    k = group * k_groups
+    lin = Int4Linear.build([torch.randn(n, k, generator=g)], None, torch.bfloat16, CPU, group)
+    deq = lin.dequantize()
+    x = torch.randn(m, k, generator=g) * torch.rand(m, 1, generator=g) * 4
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        y32 = torch.ops.tokenhaul_int4.gemv(x, lin.weight, lin.scales_zeros, group)[:, :n]
+        y16 = torch.ops.tokenhaul_int4.gemv(x.bfloat16(), lin.weight, lin.scales_zeros, group)[:, :n]
+        rows = [torch.ops.tokenhaul_int4.gemv(x[i:i + 1], lin.weight, lin.scales_zeros, group)[:, :n] for i in range(m)]
+    finally:
+        torch.set_num_threads(before)
+    assert y32.dtype == torch.float32 and y16.dtype == torch.bfloat16 and y32.shape == (m, n)
+    deq = deq.double()
+    terms = x.double().abs() @ deq.abs().t()
+    assert ((y32.double() - x.double() @ deq.t()).abs() <= 1e-4 * terms).all()
+    ref16 = x.bfloat16().double() @ deq.t()
+    assert ((y16.double() - ref16).abs() <= 2 ** -8 * ref16.abs() + 1e-4 * terms).all()
+    assert torch.equal(torch.cat(rows), y32)
+
+
+def test_int4_linear_takes_the_gemv_at_one_row(monkeypatch):
+    """Batch-1 calls go through the C++ GEMV, more rows through int4pack; the batch-invariant setting
+    (max_rows None) keeps int4pack at every row count."""
+    lin = Int4Linear.build([torch.randn(96, 128)], None, torch.bfloat16, CPU, 32)
+    calls = []
+    gemv = torch.ops.tokenhaul_int4.gemv
+    monkeypatch.setattr(torch.ops.tokenhaul_int4, "gemv", lambda *a: calls.append(a[0].shape[0]) or gemv(*a))
+    x = torch.randn(3, 128)
+    lin(x[:1]), lin(x)
+    assert calls == [1]
+    lin.max_rows = None
+    lin(x[:1])
+    assert calls == [1]
+
+
+@settings(max_examples=25, deadline=None)
 @given(n=st.integers(1, 200), k16=st.integers(1, 18), m=st.integers(1, 40), bias=st.booleans(),
        seed=st.integers(0, 2**16))
 def test_int8_kernels_match_float_reference(n, k16, m, bias, seed):

@@ -24,4 +24,4 @@ def _fake(weight: torch.Tensor, scales_zeros: torch.Tensor, group: int) -> torch
 def available() -> bool:
     """Build (once per machine, tokenhaul/native.py) and load the kernel; False, with one stderr line, if not."""
     return native.load(SOURCE, "many-row int4 linears dequantize with torch ops instead (slower)",
-                       {"tokenhaul_int4::dequant_t": _fake})
+                       {"tokenhaul_int4::dequant_t": _fake}, parallel=True)

@@ -8,7 +8,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from tokenhaul.layers import int4_dequant
+from tokenhaul.layers import int4_dequant, int4_gemv
 from tokenhaul.layers.gguf_weight import GGUFWeight
 from tokenhaul.layers.linear import Linear, Part, dequantize_part, register
 
@@ -48,8 +48,14 @@ def unpack_cpu(w: torch.Tensor, n: int, k: int) -> torch.Tensor:
 
 @register("int4")
 class Int4Linear(Linear):
-    """`_weight_int4pack_mm_for_cpu` (or the CUDA `_weight_int4pack_mm`) for up to `max_rows` rows; more rows
-    dequantize to bf16 and run one dense GEMM (the packed kernel scales like a loop of GEMVs)."""
+    """`gemv_rows` rows or fewer: the C++ GEMV (int4_gemv.py); then `_weight_int4pack_mm_for_cpu` (or the CUDA
+    `_weight_int4pack_mm`) up to `max_rows` rows; more rows dequantize to bf16 and run one dense GEMM (the packed
+    kernel scales like a loop of GEMVs). `max_rows` None (the batch-invariant factory): int4pack at every row
+    count, so a row's numbers do not depend on its batch."""
+
+    # The C++ GEMV against int4pack, 2 threads, distinct weights (bench/linear_kernels.py --gemv-rows): 1.07-1.27x
+    # at one row on SmolLM2 / Qwen2.5-0.5B shapes; at 4 rows 0.55-0.65x (fp32 FMAs, where int4pack runs AVX-512).
+    gemv_rows = 1
 
     # Above this many rows: dequantize (dense_t) + one dense GEMM. Measured on a quiet machine (2 threads, one
     # layer's linears of SmolLM2 / Qwen2.5-0.5B, packed ÷ dequantized time): with the C++ dequantization 0.64-0.80
@@ -68,6 +74,8 @@ class Int4Linear(Linear):
         self.cuda = weight.device.type == "cuda"
         if not self.cuda and not int4_dequant.available():
             self.max_rows = self.max_rows_fallback
+        if self.cuda or not int4_gemv.available():
+            self.gemv_rows = 0
 
     @classmethod
     def supports(cls, in_features: int, group: int | None) -> bool:
@@ -97,6 +105,8 @@ class Int4Linear(Linear):
         xb = x.to(torch.bfloat16)
         if self.max_rows is not None and x.shape[0] > self.max_rows and not self.cuda:
             y = xb @ self.dense_t()
+        elif self.max_rows is not None and x.shape[0] <= self.gemv_rows:
+            y = torch.ops.tokenhaul_int4.gemv(xb, self.weight, self.scales_zeros, self.group)
         elif self.cuda:
             y = torch.ops.aten._weight_int4pack_mm(xb, self.weight, self.group, self.scales_zeros)
         else:

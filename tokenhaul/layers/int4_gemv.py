@@ -1,0 +1,27 @@
+"""Int4 packed weights × a few activation rows: `torch.ops.tokenhaul_int4.gemv`, the few-row path of `Int4Linear`
+(batch-1 decode), reading the CPU int4pack layout as it is stored.
+
+A small C++ kernel (int4_gemv.cpp, built on first use: tokenhaul/native.py), registered as a torch op with a fake
+implementation so the compiled decode step can call it. fp32 arithmetic: activations converted once, codes
+summed per group against them, each group's scale and zero applied to the sum.
+Without a C++ compiler `Int4Linear` keeps `_weight_int4pack_mm_for_cpu` (one stderr line says so)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+from tokenhaul import native
+
+SOURCE = Path(__file__).with_name("int4_gemv.cpp")
+
+
+def _fake(x: torch.Tensor, weight: torch.Tensor, scales_zeros: torch.Tensor, group: int) -> torch.Tensor:
+    return x.new_empty(x.shape[0], scales_zeros.shape[1])
+
+
+def available() -> bool:
+    """Build (once per machine, tokenhaul/native.py) and load the kernel; False, with one stderr line, if not."""
+    return native.load(SOURCE, "few-row int4 linears run _weight_int4pack_mm_for_cpu instead (slower)",
+                       {"tokenhaul_int4::gemv": _fake}, parallel=True)
