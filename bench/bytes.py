@@ -2,7 +2,8 @@
 
 For each option: weight and KV bytes per decoded token (ledger), decode tok/s at batch 1 and 8 at
 context 512 and 4096, perplexity (`eval ppl`'s harness, short windows; long windows for the KV rows),
-greedy agreement with the model's first row; then a fit of seconds per token against bytes per token.
+greedy agreement with the same bits dense (else the model's first row); then a fit of seconds per token
+against bytes per token.
 The batch-8 rows at 4096 share one cached prefix (prefill once), each sequence still attends its own 4 k.
 
     flock -x /tmp/tokenhaul-bench.lock .venv/bin/python bench/bytes.py [--quick]
@@ -46,6 +47,7 @@ GRID = [
     ("qwen2.5-coder-0.5b", "auto", "bf16", 0.0),
     ("qwen2.5-coder-0.5b", "int8", "bf16", 0.0),
     ("qwen2.5-coder-0.5b", "int8", "bf16", 0.4),
+    ("qwen2.5-coder-0.5b", "auto", "bf16", 0.4),
 ]
 NEW = 24  # decoded tokens per measurement
 CONTEXTS = [512, 4096]  # --contexts 512 drops the 4 k cells
@@ -211,7 +213,9 @@ def main() -> None:
     for model, quant, kv, sp in GRID:
         if (models and model not in models) or (options and (quant, kv, f"{sp:g}") not in options):
             continue
-        r = run_option(model, quant, kv, sp, refs.get(model), not args.no_ppl,
+        same_bits = [r for r in rows if (r["model"], r["quantization"], r["kv_dtype"], r["sparsity"]) ==
+                     (model, quant, kv, 0.0)]  # agreement: with the same bits dense, else the model's first row
+        r = run_option(model, quant, kv, sp, (same_bits or [refs.get(model)])[0], not args.no_ppl,
                        long_ppl=(sp == 0.0 and model == "smollm2-135m"), compile_mode=args.compile)
         refs.setdefault(model, r)
         rows.append(r)
