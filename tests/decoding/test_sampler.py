@@ -128,3 +128,14 @@ def test_bad_params_one_line_errors(kw, msg):
     with pytest.raises(RequestError, match=msg) as e:
         SamplingParams(**kw)
     assert "\n" not in str(e.value)
+
+
+def test_argmax_matches_torch_including_ties():
+    """The CPU fast path (numpy) picks the same index as torch: the first of equal maxima."""
+    from tokenhaul.decoding.sampler import argmax
+
+    x = torch.randn(5, 1000)
+    x[1, 7] = x[1, 900] = 50.0  # a tie: the first wins
+    x[2] = 0.0
+    assert torch.equal(argmax(x), x.argmax(-1)) and argmax(x)[1] == 7 and argmax(x)[2] == 0
+    assert torch.equal(argmax(x.t().contiguous().t()), x.argmax(-1))  # non-contiguous: torch's own

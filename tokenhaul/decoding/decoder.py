@@ -16,7 +16,7 @@ from typing import Protocol
 import torch
 
 from tokenhaul.decoding.rejection import accept_greedy, accept_sampled
-from tokenhaul.decoding.sampler import Sample, SamplingBatch, apply_penalties, probabilities, with_logprobs
+from tokenhaul.decoding.sampler import Sample, SamplingBatch, apply_penalties, argmax, probabilities, with_logprobs
 from tokenhaul.engine.request import Request
 from tokenhaul.engine.scheduler import ScheduledChunk
 
@@ -66,7 +66,7 @@ class Decoder:
             prefixes += [d[:i] for i in range(c.num_sampled)]
         batch = SamplingBatch.build(reqs, logits.shape[-1], prefixes)
         logits_p = apply_penalties(logits, batch)
-        targets = logits_p.argmax(-1).tolist()
+        targets = argmax(logits_p).tolist()
         kept = [accept_greedy(targets[s:s + len(d) + 1], d) for s, d in zip(starts, drafts)]
         rand = [i for i, c in enumerate(chunks) if not c.request.params.greedy]
         if rand:

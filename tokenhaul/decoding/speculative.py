@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import torch
 
-from tokenhaul.decoding.sampler import SamplingBatch, apply_penalties, draw, probabilities, uniforms
+from tokenhaul.decoding.sampler import SamplingBatch, apply_penalties, argmax, draw, probabilities, uniforms
 from tokenhaul.engine.request import Request
 from tokenhaul.engine.runner import ModelRunner
 from tokenhaul.engine.scheduler import ScheduledChunk, SchedulerOutput
@@ -67,7 +67,7 @@ class DraftModel:
             rs = [c.request for c in inp.sample_chunks]
             batch = SamplingBatch.build(rs, logits.shape[-1], [r.draft_token_ids for r in rs])
             logits = apply_penalties(logits, batch)
-            tokens = logits.argmax(-1)
+            tokens = argmax(logits)
             rand = (~batch.greedy).nonzero()[:, 0].tolist()
             if rand:
                 sub = batch.rows(rand)
