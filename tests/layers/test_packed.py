@@ -108,8 +108,9 @@ def test_int4_gemv_matches_float_reference(n, k_groups, m, group, threads, seed)
     """The C++ GEMV (int4_gemv.cpp) against x @ dequant^T in fp64: with fp32 activations and output,
     |error| <= 1e-4 * sum |x_i w_i| — fp32 rounding of per-group sums of codes, the low nibbles' sum taken as a
     difference of sums of bytes up to 255 (worst seen 1.3e-5); with bf16 activations and output, bf16 rounding
-    (2^-8 relative) on top. Each row's result is the same whatever rows share the call; the thread count only
-    moves where blocks are split."""
+    (2^-8 relative) on top (on a CPU with AVX-512 BF16 bf16 activations take the bf16 dot-product path, fp32
+    ones the AVX2 path). Each row's result is the same whatever rows share the call; the thread count only moves
+    where blocks are split."""
     from tokenhaul.layers import int4_gemv
 
     assert int4_gemv.available()
@@ -135,19 +136,20 @@ def test_int4_gemv_matches_float_reference(n, k_groups, m, group, threads, seed)
     assert torch.equal(torch.cat(rows), y32)
 
 
-def test_int4_linear_takes_the_gemv_at_one_row(monkeypatch):
-    """Batch-1 calls go through the C++ GEMV, more rows through int4pack; the batch-invariant setting
-    (max_rows None) keeps int4pack at every row count."""
+def test_int4_linear_takes_the_gemv_at_few_rows(monkeypatch):
+    """Calls of up to `gemv_rows` rows go through the C++ GEMV, more rows through int4pack; the batch-invariant
+    setting (max_rows None) keeps int4pack at every row count."""
     lin = Int4Linear.build([torch.randn(96, 128)], None, torch.bfloat16, CPU, 32)
+    assert lin.gemv_rows >= 1
     calls = []
     gemv = torch.ops.tokenhaul_int4.gemv
     monkeypatch.setattr(torch.ops.tokenhaul_int4, "gemv", lambda *a: calls.append(a[0].shape[0]) or gemv(*a))
-    x = torch.randn(3, 128)
-    lin(x[:1]), lin(x)
-    assert calls == [1]
+    x = torch.randn(lin.gemv_rows + 1, 128)
+    lin(x[:1]), lin(x[:-1]), lin(x)
+    assert calls == [1, lin.gemv_rows]
     lin.max_rows = None
     lin(x[:1])
-    assert calls == [1]
+    assert calls == [1, lin.gemv_rows]
 
 
 @settings(max_examples=25, deadline=None)

@@ -39,6 +39,7 @@ struct Problem {
   const float* x;      // [M][K]
   const float* xs;     // [M][G] group sums of x
   int64_t m, k, n, groups, group;
+  const uint32_t* xpairs;  // bf16 x as (x[k], x[k + 1]) pairs, [M][K / 2]; null when x is fp32
 };
 
 #ifdef __AVX2__
@@ -97,7 +98,84 @@ void block_rows(const Problem& p, int64_t b, int64_t g0, int64_t g1, int64_t m0,
   }
 }
 
+
+#define AVX512_BF16 __attribute__((target("avx512f,avx512bw,avx512vl,avx512vbmi,avx512bf16")))
+
+// AVX-512 BF16 (Zen 4 and later, Cooper Lake, Sapphire Rapids), bf16 activations: the codes become bf16
+// 0.5 + q / 32 (bits 0x3F00 | q << 3, exact) by one byte permutation that pairs inputs k and k + 1 of a row,
+// and VDPBF16PS multiplies them by (x[k], x[k + 1]) with fp32 sums (products of bf16 are exact in fp32).
+// Per group: A = Σ (0.5 + q/32) x, so Σ q x = 32 A - 16 Σx and y += s (32 A - 24 Σx) + z Σx.
+template <int TM>
+AVX512_BF16 void block_rows_bf16(const Problem& p, int64_t b, int64_t g0, int64_t g1, int64_t m0, float* out) {
+  const int64_t k = p.k, n = p.n, group = p.group, groups = p.groups, half = p.k / 2;
+  const uint8_t* wb = p.w + b * k * 32;
+  const uint32_t* xp = p.xpairs + m0 * half;
+  const float* xs = p.xs + m0 * groups;
+  alignas(64) uint8_t idx[2][64];  // output byte 4r + {0, 1, 2, 3} = {code of row r at k, 0x3F, at k + 1, 0x3F}
+  for (int h = 0; h < 2; ++h)
+    for (int r = 0; r < 16; ++r) {
+      idx[h][4 * r] = static_cast<uint8_t>(16 * h + r);
+      idx[h][4 * r + 1] = 64;
+      idx[h][4 * r + 2] = static_cast<uint8_t>(32 + 16 * h + r);
+      idx[h][4 * r + 3] = 64;
+    }
+  const __m512i idx0 = _mm512_load_si512(idx[0]), idx1 = _mm512_load_si512(idx[1]);
+  const __m512i exponent = _mm512_set1_epi8(0x3F), mask = _mm512_set1_epi8(0x78);
+  const __m512i high16 = _mm512_set1_epi32(static_cast<int>(0xffff0000u));
+  for (int64_t g = g0; g < g1; ++g) {
+    __m512 acc[TM][4];
+    for (int m = 0; m < TM; ++m)
+      for (int j = 0; j < 4; ++j) acc[m][j] = _mm512_setzero_ps();
+    const uint8_t* src = wb + g * group * 32;
+    for (int64_t kk = g * group; kk < (g + 1) * group; kk += 2, src += 64) {
+      _mm_prefetch(reinterpret_cast<const char*>(src) + PREFETCH, _MM_HINT_T0);
+      const __m512i v = _mm512_loadu_si512(src);  // inputs k and k + 1, 64 rows each
+      const __m512i lo = _mm512_and_si512(_mm512_slli_epi16(v, 3), mask);
+      const __m512i hi = _mm512_and_si512(_mm512_srli_epi16(v, 1), mask);
+      const __m512i w[4] = {_mm512_permutex2var_epi8(lo, idx0, exponent), _mm512_permutex2var_epi8(lo, idx1, exponent),
+                            _mm512_permutex2var_epi8(hi, idx0, exponent), _mm512_permutex2var_epi8(hi, idx1, exponent)};
+      for (int m = 0; m < TM; ++m) {
+        const __m512bh xv = (__m512bh)_mm512_set1_epi32(static_cast<int>(xp[m * half + kk / 2]));
+        for (int j = 0; j < 4; ++j) acc[m][j] = _mm512_dpbf16_ps(acc[m][j], (__m512bh)w[j], xv);
+      }
+    }
+    const uint16_t* szb = p.sz + (g * n + b * 64) * 2;
+    for (int j = 0; j < 4; ++j) {
+      const __m512i v = _mm512_loadu_si512(szb + j * 32);  // rows 16 j .. 16 j + 15: (scale, zero) pairs
+      const __m512 scale = _mm512_castsi512_ps(_mm512_slli_epi32(v, 16));
+      const __m512 zero = _mm512_castsi512_ps(_mm512_and_si512(v, high16));
+      for (int m = 0; m < TM; ++m) {
+        const float sx = xs[m * groups + g];
+        float* o = out + m * 64 + j * 16;
+        const __m512 c = _mm512_fmsub_ps(acc[m][j], _mm512_set1_ps(32.0f), _mm512_set1_ps(24.0f * sx));
+        const __m512 y = _mm512_fmadd_ps(scale, c, _mm512_loadu_ps(o));
+        _mm512_storeu_ps(o, _mm512_fmadd_ps(zero, _mm512_set1_ps(sx), y));
+      }
+    }
+  }
+}
+
+bool has_avx512_bf16() {
+  static const bool yes = __builtin_cpu_supports("avx512bf16") && __builtin_cpu_supports("avx512vbmi") &&
+                          __builtin_cpu_supports("avx512bw") && __builtin_cpu_supports("avx512vl");
+  return yes;
+}
+
 void block(const Problem& p, int64_t b, int64_t g0, int64_t g1, float* out) {
+  if (p.xpairs != nullptr && has_avx512_bf16()) {
+    for (int64_t m0 = 0; m0 < p.m;) {
+      const int64_t tm = std::min<int64_t>(p.m - m0, 4);
+      float* o = out + m0 * 64;
+      switch (tm) {
+        case 1: block_rows_bf16<1>(p, b, g0, g1, m0, o); break;
+        case 2: block_rows_bf16<2>(p, b, g0, g1, m0, o); break;
+        case 3: block_rows_bf16<3>(p, b, g0, g1, m0, o); break;
+        default: block_rows_bf16<4>(p, b, g0, g1, m0, o); break;
+      }
+      m0 += tm;
+    }
+    return;
+  }
   for (int64_t m0 = 0; m0 < p.m;) {
     const int64_t left = p.m - m0;
     float* o = out + m0 * 64;
@@ -172,7 +250,8 @@ at::Tensor gemv(const at::Tensor& x, const at::Tensor& weight, const at::Tensor&
     xs[i] = sum;
   }
   const Problem p{weight.data_ptr<uint8_t>(), reinterpret_cast<const uint16_t*>(scales_zeros.data_ptr<at::BFloat16>()),
-                  xf, xs, m, k, n, groups, group};
+                  xf, xs, m, k, n, groups, group,
+                  x.dtype() == at::kBFloat16 ? reinterpret_cast<const uint32_t*>(xc.data_ptr<at::BFloat16>()) : nullptr};
   std::vector<int64_t> edge_block(threads * 2, -1);
   const bool bf16 = x.dtype() == at::kBFloat16;
   at::parallel_for(0, threads, 1, [&](int64_t t0, int64_t t1) {

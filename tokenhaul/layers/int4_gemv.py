@@ -2,8 +2,9 @@
 (batch-1 decode), reading the CPU int4pack layout as it is stored.
 
 A small C++ kernel (int4_gemv.cpp, built on first use: tokenhaul/native.py), registered as a torch op with a fake
-implementation so the compiled decode step can call it. fp32 arithmetic: activations converted once, codes
-summed per group against them, each group's scale and zero applied to the sum.
+implementation so the compiled decode step can call it. fp32 sums: per group the codes are summed against the
+activations and the group's scale and zero applied to the sum — with AVX-512 BF16 (bf16 activations) as bf16
+dot products of the codes (exact as bf16) with the activations, else AVX2 FMAs on the codes as fp32.
 Without a C++ compiler `Int4Linear` keeps `_weight_int4pack_mm_for_cpu` (one stderr line says so)."""
 
 from __future__ import annotations
@@ -19,6 +20,16 @@ SOURCE = Path(__file__).with_name("int4_gemv.cpp")
 
 def _fake(x: torch.Tensor, weight: torch.Tensor, scales_zeros: torch.Tensor, group: int) -> torch.Tensor:
     return x.new_empty(x.shape[0], scales_zeros.shape[1])
+
+
+def rows() -> int:
+    """Up to how many rows the GEMV beats int4pack (bench/linear_kernels.py --only gemv, bench/RESULTS.md "int4
+    GEMV"): with AVX-512 BF16 1.2-1.3x at 1, 2 and 4 rows; with AVX2 FMAs only at 1 row (0.55x at 2)."""
+    try:
+        flags = next((line for line in Path("/proc/cpuinfo").read_text().splitlines() if line.startswith("flags")), "")
+    except OSError:
+        flags = ""
+    return 4 if {"avx512_bf16", "avx512vbmi", "avx512bw", "avx512vl"} <= set(flags.split()) else 1
 
 
 def available() -> bool:

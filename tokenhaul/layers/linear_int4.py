@@ -53,9 +53,7 @@ class Int4Linear(Linear):
     kernel scales like a loop of GEMVs). `max_rows` None (the batch-invariant factory): int4pack at every row
     count, so a row's numbers do not depend on its batch."""
 
-    # The C++ GEMV against int4pack, 2 threads, distinct weights (bench/linear_kernels.py --gemv-rows): 1.07-1.27x
-    # at one row on SmolLM2 / Qwen2.5-0.5B shapes; at 4 rows 0.55-0.65x (fp32 FMAs, where int4pack runs AVX-512).
-    gemv_rows = 1
+    gemv_rows = int4_gemv.rows()  # the C++ GEMV up to here: 4 rows with AVX-512 BF16, 1 with AVX2 (measured)
 
     # Above this many rows: dequantize (dense_t) + one dense GEMM. Measured on a quiet machine (2 threads, one
     # layer's linears of SmolLM2 / Qwen2.5-0.5B, packed ÷ dequantized time): with the C++ dequantization 0.64-0.80
