@@ -14,19 +14,25 @@ KVLayer = torch.Tensor | Int8Blocks
 
 class KVCache:
     def __init__(self, num_layers: int, num_blocks: int, block_size: int, num_kv_heads: int,
-                 head_dim: int, dtype: torch.dtype, device: str | torch.device) -> None:
+                 head_dim: int, dtype: torch.dtype, device: str | torch.device, alloc=torch.zeros) -> None:
         self.num_blocks = num_blocks
         self.block_size = block_size
+        self.num_kv_heads, self.head_dim = num_kv_heads, head_dim
         self.dtype = dtype
         shape = (num_blocks, block_size, num_kv_heads, head_dim)
 
         def make() -> KVLayer:
             if dtype == torch.int8:
                 return Int8Blocks(*shape, device)
-            return torch.zeros(shape, dtype=dtype, device=device)
+            return alloc(shape, dtype=dtype, device=device)
 
         self.k: list[KVLayer] = [make() for _ in range(num_layers)]
         self.v: list[KVLayer] = [make() for _ in range(num_layers)]
+
+    @classmethod
+    def like(cls, kv: KVCache, alloc=torch.zeros) -> KVCache:
+        """A cache of the same shape, dtype and device (`alloc`: torch.zeros or torch.empty)."""
+        return cls(len(kv.k), kv.num_blocks, kv.block_size, kv.num_kv_heads, kv.head_dim, kv.dtype, kv.device, alloc)
 
     @staticmethod
     def bytes_per_value(dtype: torch.dtype, head_dim: int) -> float:
@@ -46,6 +52,10 @@ class KVCache:
                 cache.copy_block(src, dst)
             else:
                 cache[dst] = cache[src]
+
+    @property
+    def device(self) -> torch.device:
+        return self.k[0].device
 
     @property
     def nbytes(self) -> int:
