@@ -46,6 +46,10 @@ class ModelRunner:
         for src, dst in sched.block_copies:
             for cache in (self.kv, *self.mirrors):
                 cache.copy_block(src, dst)
+        if len(sched.chunks) == 1 and self.compiled is not None and self.compiled.accepts(1):
+            c = sched.chunks[0]
+            if c.num_tokens == 1 == c.num_sampled:
+                return self._lone_decode(c)
         bs = self.block_size
         calls = attention_calls([(c.num_tokens, c.start + c.num_tokens) for c in sched.chunks], bs)
         ids: list[int] = []
@@ -97,6 +101,15 @@ class ModelRunner:
             return self.compiled.run(*inp.decode)
         hidden = self.model.forward(inp.input_ids, inp.meta, self.kv)
         return self.model.compute_logits(hidden[inp.sample_rows])
+
+    def _lone_decode(self, c: ScheduledChunk) -> ModelInput:
+        """One request's decode step for the compiled graph, built from Python ints (what the general path
+        below builds with a dozen small tensor ops: ~0.1 ms of a 10 ms step)."""
+        bs, pos = self.block_size, c.start
+        nb = pos // bs + 1
+        table = torch.tensor([c.request.block_ids[:nb]], dtype=torch.long)
+        slots = torch.tensor([c.request.block_ids[pos // bs] * bs + pos % bs], dtype=torch.long)
+        return self._compiled_input(c.request.token_slice(pos, pos + 1), [pos], slots, table, [c], [(1, [pos + 1])])
 
     def _compiled_input(self, ids: list[int], pos: list[int], slots: torch.Tensor, table: torch.Tensor,
                         chunks: list[ScheduledChunk], shapes: list[tuple[int, list[int]]]) -> ModelInput:
