@@ -14,16 +14,19 @@ so the values are exactly the wrapped linear's and a skipped channel's codes are
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import torch
 
 from tokenhaul import native
 from tokenhaul.layers.linear import Linear, register
 
-# Rows at or under which the gathered kernel runs (bench/bytes.py's kernel table, dense / gathered time): bf16
-# rows gather for batch-1 and batch-2 steps; packed rows (int8, int4) for batch-1 decodes only.
+# Rows at or under which the gathered kernel runs: bf16 rows for batch-1 and batch-2 steps, packed rows (int8, int4)
+# for batch-1 decodes only. Set from the serial kernel's table (bench/bytes.py, 2026-11-30); the parallel kernel's
+# crossover is not re-measured yet (its one attempt, 2026-12-01 02:04, ran beside unlocked builds: void).
 MAX_ROWS = 2
 MAX_ROWS_PACKED = 1
-SOURCE = __import__("pathlib").Path(__file__).with_name("sparse_gemv.cpp")
+SOURCE = Path(__file__).with_name("sparse_gemv.cpp")
 
 
 def _int8_rows(wt: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
