@@ -28,7 +28,7 @@ def _fake(q, kd, ks, vd, vs, table, mask, scale, chunk_blocks):  # shapes for to
 def available() -> bool:
     """Build (once per machine) and load the kernel; False, with one stderr line, if that fails."""
     return native.load(SOURCE, "int8 KV decodes dequantize a float copy instead (slower)",
-                       {"tokenhaul_kv::decode_int8": _fake})
+                       {"tokenhaul_kv::decode_int8": _fake}, parallel=True)
 
 
 def decode_int8(q: torch.Tensor, k_data: torch.Tensor, k_scale: torch.Tensor, v_data: torch.Tensor,

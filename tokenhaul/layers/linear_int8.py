@@ -1,5 +1,5 @@
 """8-bit per-channel weights (symmetric, one scale per row). One row (decode), or a few narrow ones, runs the
-C++ kernel `tokenhaul_int8::gemv` (layers/int8_gemv.py: 1.1-2.5x `_weight_int8pack_mm`), other few-row cases
+C++ kernel `tokenhaul_int8::gemv` (layers/int8_gemv.py: 1.2-2.3x `_weight_int8pack_mm`), other few-row cases
 `_weight_int8pack_mm` (bf16 activations); more rows quantize each activation row on the fly and run the integer
 GEMM `torch._int_mm` (int8 x int8, exact int32 sums), which on this CPU is 1.5-6x the packed kernel from 8 rows on
 and still 2x a bf16 GEMM at 512 rows (bench/linear_kernels.py, bench/RESULTS.md "Speed run 3").
@@ -38,7 +38,7 @@ class Int8Linear(Linear):
     @staticmethod
     def gemv_rows(m: int, k: int) -> bool:
         """The C++ GEMV beats int8pack at one row, and at a few rows while M * K int16 activations stay in L1
-        (measured: 1.3-2.1x at 2-4 rows of 896 inputs, 0.5-0.6x at 2-4 rows of 4864)."""
+        (measured, 2 threads: 1.2-2.5x at 2-4 rows of 576-896 inputs; 1.0x and 0.8x at 2 and 4 rows of 4864)."""
         return m == 1 or m * k <= 4096
 
     def __init__(self, weight: torch.Tensor, scales: torch.Tensor, bias: torch.Tensor | None) -> None:
