@@ -47,7 +47,8 @@ class TrafficCounter(TorchDispatchMode):
                 self.kv_read += sum(a.numel() * a.element_size() for a in tensors if _ptr(a) in self.kv)
         if name in ("matmul", "mm") and out.numel():
             self.flops += 2 * args[0].numel() * args[1].shape[-1]
-        elif name.startswith(("_weight_int4pack_mm", "_weight_int8pack_mm")) and out.numel():
+        elif (name.startswith(("_weight_int4pack_mm", "_weight_int8pack_mm"))
+              or (name == "gemv" and func.namespace in ("tokenhaul_int4", "tokenhaul_int8"))) and out.numel():
             self.flops += 2 * args[0].numel() * out.shape[-1]
         elif name == "_int_mm" and out.numel():  # int8 linears: two int8 rows (hi, lo) per activation row
             self.flops += args[0].numel() * args[1].shape[-1]
