@@ -57,7 +57,7 @@ def test_linear_curve_times_the_engine_kernel_on_the_device(fmt, tmp_path, monke
     switch = getattr(kernels.make_linear(fmt, torch.randn(64, 32)), "max_rows", None)
     assert [r for r, _ in curve] == sorted({1, 4} | ({switch, switch + 1} if switch else set()))
     assert all(_positive(s) for _, s in curve)
-    monkeypatch.setattr(kernels, "measure_curve", lambda f, o, i, device: [(1, 1e-5), (8, 2e-5)])
+    monkeypatch.setattr(kernels, "measure_curve", lambda f, o, i, device, span: [(1, 1e-5), (8, 2e-5)])
     times = kernels.LinearTimes((fmt,), tmp_path, device="cpu")
     assert times(fmt, 64, 32, 4) == pytest.approx(1e-5 + 3 / 7 * 1e-5)
     assert cal.load_entry(f"{cal.machine_key('cpu')} | linear | {fmt} | 64x32", tmp_path)["curve"] == [[1, 1e-5],

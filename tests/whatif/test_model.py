@@ -110,7 +110,8 @@ def test_measured_linear_times_replace_the_roofline():
     costs the 4 layer linears (qkv 3072x1024, o, gate+up 8192x1024, down) and the lm_head at 1 row."""
     calls = []
 
-    def timer(fmt, out, in_, rows):
+    def timer(fmt, out, in_, rows, working_set):
+        assert working_set > 0  # the model's weights: the span the kernels are timed over
         calls.append((fmt, out, in_, rows))
         return 1e-3 * rows
 

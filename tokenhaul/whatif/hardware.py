@@ -67,8 +67,9 @@ class Hardware:
     pj_per_flop: float | None = None
     pim: PIM | None = None
     source: str = ""
-    # measured seconds of one linear call (format, out, in, rows) → s, None without a kernel (this-machine)
-    linear_times: Callable[[str, int, int, int], float | None] | None = field(default=None, compare=False)
+    # measured seconds of one linear call (format, out, in, rows, weight bytes a step reads) → s, None without
+    # a kernel (this-machine)
+    linear_times: Callable[[str, int, int, int, float], float | None] | None = field(default=None, compare=False)
 
     def linear_flops(self, fmt: str) -> float:
         """FLOP/s of a linear whose weights are stored as `fmt`. The engine's int8 / int4 are weight-only:

@@ -10,6 +10,7 @@ GPU kernels (cuBLAS bf16, `_weight_int4pack_mm`, `_weight_int8pack_mm`) with CUD
 
 from __future__ import annotations
 
+import math
 import time
 from pathlib import Path
 
@@ -40,11 +41,29 @@ def make_linear(fmt: str, weight: torch.Tensor, device: str = "cpu") -> linear.L
     return cls.build([weight], None, DTYPES[fmt] if dense else torch.bfloat16, torch.device(device), group)
 
 
-def span_bytes(device: str) -> float:
-    """Weights per timed pass: SPAN_BYTES on a CPU; on a GPU also at least 4 × its L2."""
+def cache_bytes(level: int) -> float:
+    """CPU cache size from sysfs (per core for L2, shared L3), 0 when unknown."""
+    for idx in range(8):
+        base = Path(f"/sys/devices/system/cpu/cpu0/cache/index{idx}")
+        try:
+            if int((base / "level").read_text()) == level and (base / "type").read_text().strip() != "Instruction":
+                size = (base / "size").read_text().strip()
+                mult = {"K": 2**10, "M": 2**20, "G": 2**30}.get(size[-1], 1)
+                return float(size.rstrip("KMG")) * mult
+        except (OSError, ValueError):
+            continue
+    return 0.0
+
+
+def span_bytes(device: str, working_set: float = 0.0) -> float:
+    """Weights per timed pass. On a CPU: SPAN_BYTES, or the step's whole working set (a model's weights) where
+    that is larger, up to twice the last-level cache (past it every read misses anyway), on a √2 grid so that
+    models of like size share curves — a 95 MB model may stay in a 300 MB L3 where a 270 MB one spills, and
+    its kernels are timed so. On a GPU: at least 4 × its L2."""
     if clock.is_cuda(device):
         return max(SPAN_BYTES, 4.0 * torch.cuda.get_device_properties(torch.device(device)).L2_cache_size)
-    return SPAN_BYTES
+    span = min(max(working_set, SPAN_BYTES), max(SPAN_BYTES, 2.0 * cache_bytes(3)))
+    return SPAN_BYTES * math.sqrt(2.0) ** round(2.0 * math.log2(span / SPAN_BYTES))
 
 
 def layer_shapes(cfg: ModelConfig) -> list[tuple[int, int]]:
@@ -93,18 +112,22 @@ class LinearTimes:
         self.formats, self.root, self.remeasure, self.device = formats, root, remeasure, device
         self._curves: dict[str, list[tuple[int, float]]] = {}
 
-    def __call__(self, fmt: str, out: int, in_: int, rows: int) -> float | None:
-        """None where this machine has no kernel for `fmt`."""
+    def __call__(self, fmt: str, out: int, in_: int, rows: int, working_set: float = 0.0) -> float | None:
+        """None where this machine has no kernel for `fmt`; `working_set`: the weight bytes a step reads (the
+        span the curve is timed over, see span_bytes)."""
         if fmt not in self.formats or rows < 1:
             return None
-        return interpolate(self.curve(fmt, out, in_), rows)
+        return interpolate(self.curve(fmt, out, in_, working_set), rows)
 
-    def curve(self, fmt: str, out: int, in_: int) -> list[tuple[int, float]]:
+    def curve(self, fmt: str, out: int, in_: int, working_set: float = 0.0) -> list[tuple[int, float]]:
+        span = span_bytes(self.device, working_set)
         key = f"{cal.machine_key(self.device)} | linear | {fmt} | {out}x{in_}"
+        if span != span_bytes(self.device):
+            key += f" | span {span / 1e6:.0f} MB"
         if key not in self._curves:
             entry = None if self.remeasure else cal.load_entry(key, self.root)
             if entry is None:
-                entry = {"curve": measure_curve(fmt, out, in_, self.device), "measured_at": time.time()}
+                entry = {"curve": measure_curve(fmt, out, in_, self.device, span=span), "measured_at": time.time()}
                 cal.store_entry(key, entry, self.root)
             self._curves[key] = [(int(r), float(s)) for r, s in entry["curve"]]
         return self._curves[key]

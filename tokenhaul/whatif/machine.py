@@ -24,7 +24,7 @@ import torch.nn.functional as F
 from tokenhaul.whatif import calibrate as cal
 from tokenhaul.whatif import clock
 from tokenhaul.whatif.hardware import THIS_MACHINE, THIS_MACHINE_CUDA, Hardware, from_dict
-from tokenhaul.whatif.kernels import DENSE, LinearTimes, available_formats, make_linear
+from tokenhaul.whatif.kernels import DENSE, LinearTimes, available_formats, cache_bytes, make_linear
 
 
 @dataclass(frozen=True)
@@ -57,20 +57,6 @@ def sizes_for(device: str) -> Sizes:
 
 def profile_name(device: str) -> str:
     return THIS_MACHINE_CUDA if clock.is_cuda(device) else THIS_MACHINE
-
-
-def _cache_bytes(level: int) -> float:
-    """Cache size from sysfs (per core for L2, shared L3), 0 when unknown."""
-    for idx in range(8):
-        base = Path(f"/sys/devices/system/cpu/cpu0/cache/index{idx}")
-        try:
-            if int((base / "level").read_text()) == level and (base / "type").read_text().strip() != "Instruction":
-                size = (base / "size").read_text().strip()
-                mult = {"K": 2**10, "M": 2**20, "G": 2**30}.get(size[-1], 1)
-                return float(size.rstrip("KMG")) * mult
-        except (OSError, ValueError):
-            continue
-    return 0.0
 
 
 def _ram_bytes() -> float:
@@ -254,8 +240,8 @@ def _tiers(device: str, read_bw: float) -> list[dict]:
         props = torch.cuda.get_device_properties(torch.device(device))
         return [{"name": "L2", "capacity": float(props.L2_cache_size), "bandwidth": 0.0, "holds": False},
                 {"name": "VRAM", "capacity": float(props.total_memory), "bandwidth": read_bw}]
-    return [{"name": "L2", "capacity": _cache_bytes(2), "bandwidth": 0.0, "holds": False},
-            {"name": "L3", "capacity": _cache_bytes(3), "bandwidth": 0.0, "holds": False},
+    return [{"name": "L2", "capacity": cache_bytes(2), "bandwidth": 0.0, "holds": False},
+            {"name": "L3", "capacity": cache_bytes(3), "bandwidth": 0.0, "holds": False},
             {"name": "DRAM", "capacity": _ram_bytes(), "bandwidth": read_bw}]
 
 

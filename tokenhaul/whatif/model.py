@@ -175,9 +175,10 @@ class StepModel:
             return None
         shapes = layer_shapes(c)
         head = (c.vocab_size, c.hidden_size)
+        span = self.costs.weight_bytes_per_step  # every linear's weights between two calls of one of them
         parts = []
         for n, rows_ in (([(s, c.num_layers) for s in shapes], rows), ([(head, 1)], sampled)):
-            times = [(timer(self.fmt, o, i, max(rows_, 1)), timer(self.fmt, o, i, 1), k) for (o, i), k in n]
+            times = [(timer(self.fmt, o, i, max(rows_, 1), span), timer(self.fmt, o, i, 1, span), k) for (o, i), k in n]
             if any(t is None for t, _, _ in times):
                 return None
             parts.append((sum(t * k for t, _, k in times) * bool(rows_), sum(g * k for _, g, k in times) * bool(rows_)))
