@@ -10,7 +10,6 @@ GPU kernels (cuBLAS bf16, `_weight_int4pack_mm`, `_weight_int8pack_mm`) with CUD
 
 from __future__ import annotations
 
-import math
 import time
 from pathlib import Path
 
@@ -57,13 +56,11 @@ def cache_bytes(level: int) -> float:
 
 def span_bytes(device: str, working_set: float = 0.0) -> float:
     """Weights per timed pass. On a CPU: SPAN_BYTES, or the step's whole working set (a model's weights) where
-    that is larger, up to twice the last-level cache (past it every read misses anyway), on a √2 grid so that
-    models of like size share curves — a 95 MB model may stay in a 300 MB L3 where a 270 MB one spills, and
-    its kernels are timed so. On a GPU: at least 4 × its L2."""
+    that is larger, up to twice the last-level cache (past it every read misses anyway) — a 95 MB model may
+    stay in a 300 MB L3 where a 270 MB one spills, and its kernels are timed so. On a GPU: at least 4 × its L2."""
     if clock.is_cuda(device):
         return max(SPAN_BYTES, 4.0 * torch.cuda.get_device_properties(torch.device(device)).L2_cache_size)
-    span = min(max(working_set, SPAN_BYTES), max(SPAN_BYTES, 2.0 * cache_bytes(3)))
-    return SPAN_BYTES * math.sqrt(2.0) ** round(2.0 * math.log2(span / SPAN_BYTES))
+    return float(round(min(max(working_set, SPAN_BYTES), max(SPAN_BYTES, 2.0 * cache_bytes(3))) / 1e6) * 1e6)
 
 
 def layer_shapes(cfg: ModelConfig) -> list[tuple[int, int]]:
