@@ -54,6 +54,21 @@ def cache_bytes(level: int) -> float:
     return 0.0
 
 
+def activations(fmt: str, rows: int, in_: int, device: str = "cpu", generator: torch.Generator | None = None
+                ) -> torch.Tensor:
+    """Inputs as the engine hands them to a `fmt` linear (fp32 for fp32 weights, else bf16), so a timed call
+    has no input or output cast the engine's has not: an fp32 input cost a bf16 linear 0.3-2 ms at 512 rows."""
+    dtype = DTYPES[fmt] if fmt in DTYPES else torch.bfloat16
+    return torch.randn(rows, in_, generator=generator).to(device, dtype)
+
+
+def call_each(lins: list[linear.Linear], x: torch.Tensor) -> None:
+    """One timed pass: each linear once, its output dropped at once as in the engine's step. Keeping every
+    output (a list) timed the allocator instead: 76 outputs of 512 x 3072 are 240 MB of fresh pages a pass."""
+    for lin in lins:
+        lin(x)
+
+
 def span_bytes(device: str, working_set: float = 0.0) -> float:
     """Weights per timed pass. On a CPU: SPAN_BYTES, or the step's whole working set (a model's weights) where
     that is larger, up to twice the last-level cache (past it every read misses anyway) — a 95 MB model may
@@ -93,10 +108,10 @@ def measure_curve(fmt: str, out: int, in_: int, device: str = "cpu", span: float
     grid = sorted(set(rows) | ({switch, switch + 1} if switch else set()))
     curve = []
     for n in grid:
-        x = torch.randn(n, in_, generator=g).to(device)
+        x = activations(fmt, n, in_, device, g)
         for lin in lins[:2]:
             lin(x)  # warm up
-        best = clock.best_seconds(lambda x=x: [lin(x) for lin in lins], device, repeats, warmup=0)
+        best = clock.best_seconds(lambda x=x: call_each(lins, x), device, repeats, warmup=1)
         curve.append((n, best / len(lins)))
     return curve
 

@@ -22,7 +22,7 @@ import torch
 import torch.nn.functional as F
 
 from tokenhaul.whatif import calibrate as cal
-from tokenhaul.whatif import clock
+from tokenhaul.whatif import clock, kernels
 from tokenhaul.whatif.hardware import THIS_MACHINE, THIS_MACHINE_CUDA, Hardware, from_dict
 from tokenhaul.whatif.kernels import DENSE, LinearTimes, available_formats, cache_bytes, make_linear
 
@@ -73,11 +73,11 @@ def linear_rates(fmt: str, read_bw: float, device: str = "cpu", sizes: Sizes = S
     n_mats = max(8, int(sizes.gemv_bytes // probe.weight_bytes))  # ≫ the last-level cache: GEMVs read memory
     lins = [probe] + [make_linear(fmt, torch.randn(out, in_), device) for _ in range(n_mats - 1)]
     nbytes = sum(lin.weight_bytes for lin in lins)
-    x1 = torch.randn(1, in_, device=device)
-    gemv = clock.best_seconds(lambda: [lin(x1) for lin in lins], device, sizes.repeats)
-    xm = torch.randn(sizes.gemm_rows, in_, device=device)
+    x1 = kernels.activations(fmt, 1, in_, device)
+    gemv = clock.best_seconds(lambda: kernels.call_each(lins, x1), device, sizes.repeats)
+    xm = kernels.activations(fmt, sizes.gemm_rows, in_, device)
     few = lins[:12]  # long enough (~0.1-1 s on a CPU) that one quiet moment on a shared machine does not decide it
-    gemm = clock.best_seconds(lambda: [lin(xm) for lin in few], device, sizes.repeats)
+    gemm = clock.best_seconds(lambda: kernels.call_each(few, xm), device, sizes.repeats)
     return nbytes / gemv / read_bw, 2 * sizes.gemm_rows * in_ * out * len(few) / gemm
 
 
