@@ -109,8 +109,6 @@ def measure_curve(fmt: str, out: int, in_: int, device: str = "cpu", span: float
     curve = []
     for n in grid:
         x = activations(fmt, n, in_, device, g)
-        for lin in lins[:2]:
-            lin(x)  # warm up
         best = clock.best_seconds(lambda x=x: call_each(lins, x), device, repeats, warmup=1)
         curve.append((n, best / len(lins)))
     return curve
