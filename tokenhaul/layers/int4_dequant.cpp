@@ -11,12 +11,7 @@
 #include <cstring>
 #include <vector>
 
-static inline float bf16_to_float(uint16_t h) {
-  uint32_t u = static_cast<uint32_t>(h) << 16;
-  float f;
-  std::memcpy(&f, &u, 4);
-  return f;
-}
+static inline float bf16_to_float(uint16_t h) { return c10::BFloat16(h, c10::BFloat16::from_bits()); }  // torch's own
 
 static inline uint16_t float_to_bf16(float f) {  // round to nearest even (values are finite)
   uint32_t u;

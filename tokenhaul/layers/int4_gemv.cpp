@@ -26,12 +26,7 @@
 
 namespace {
 
-inline float bf16_to_float(uint16_t h) {
-  uint32_t u = static_cast<uint32_t>(h) << 16;
-  float f;
-  std::memcpy(&f, &u, 4);
-  return f;
-}
+inline float bf16_to_float(uint16_t h) { return c10::BFloat16(h, c10::BFloat16::from_bits()); }  // torch's own
 
 struct Problem {
   const uint8_t* w;    // [N / 64][K][32]

@@ -29,12 +29,7 @@ constexpr int64_t TILE = 1024;  // output columns per tile (fp32 accumulator: 4 
 constexpr int64_t AHEAD = 16;
 constexpr int64_t MIN_WIDTH = 256;  // narrower outputs run on fewer threads
 
-inline float bf16_to_float(uint16_t h) {
-  uint32_t bits = static_cast<uint32_t>(h) << 16;
-  float f;
-  std::memcpy(&f, &bits, 4);
-  return f;
-}
+inline float bf16_to_float(uint16_t h) { return c10::BFloat16(h, c10::BFloat16::from_bits()); }  // torch's own
 
 // one input row's kept channels: index, weight (x, times the channel's scale for int8), and for int8
 // Σ x·offset; for int4 the kept channels' boundaries per group and Σ x per group
