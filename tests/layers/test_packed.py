@@ -204,6 +204,26 @@ def test_int8_gemv_matches_float_reference(n, k, m, bias, seed):
     assert y.shape == (m, n) and lin(x).dtype == torch.bfloat16
 
 
+@pytest.mark.parametrize("threads", [1, 2])
+def test_int8_gemv_row_alone_equals_row_in_batch(threads):
+    """One row runs a different loop (several weight rows walked in lockstep) from a batch of rows: each output
+    must still be bit-identical, whatever the thread count and however the rows split into runs and tails."""
+    if not int8_gemv.available():
+        pytest.skip("no C++ compiler")
+    g = torch.Generator().manual_seed(3)
+    old = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        for n, k in ((1, 64), (37, 96), (301, 4128), (1030, 896)):
+            w, scale = _int8_parts(torch.randn(n, k, generator=g))
+            x = torch.randn(5, k, generator=g).bfloat16()
+            batch = torch.ops.tokenhaul_int8.gemv(x, w, scale.bfloat16())
+            for i in range(5):
+                assert torch.equal(torch.ops.tokenhaul_int8.gemv(x[i:i + 1], w, scale.bfloat16())[0], batch[i])
+    finally:
+        torch.set_num_threads(old)
+
+
 def _int8_parts(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Per-row int8 codes and bf16 scales for any width (Int8Linear.build asks for multiples of 16)."""
     scale = (w.abs().amax(dim=1) / 126.5).bfloat16().float()
