@@ -19,6 +19,8 @@ from tokenhaul.whatif import clock
 from tokenhaul.whatif.roofline import Roofline
 
 CALIBRATION_FILE = "calibration.json"
+STREAMS = 32  # read streams per thread in the second bandwidth pass
+METHOD = 2  # entries measured another way (1: one stream only) are measured again
 _memo: dict[str, Roofline] = {}
 
 
@@ -33,12 +35,17 @@ def calibration_path(root: Path | None = None) -> Path:
 
 
 def measure_bandwidth(device: str = "cpu", nbytes: int = 2**30, repeats: int = 5) -> float:
-    """Read bandwidth in bytes/s: best time to sum an fp32 tensor of `nbytes` (1 GiB ≫ any cache)."""
+    """Read bandwidth in bytes/s over `nbytes` (1 GiB ≫ any cache): the best of a plain `sum` (one stream of
+    reads per thread) and a sum of the same bytes as 32 rows (32 streams per thread). One stream leaves a core's
+    memory-level parallelism unused on some hosts (a Sapphire Rapids guest: 21 vs 30 GB/s, bench/RESULTS.md)."""
     x = torch.ones(nbytes // 4, dtype=torch.float32, device=device)
     x.sum()  # touch every page before timing
-    seconds = clock.best_seconds(x.sum, device, repeats, warmup=0)
-    del x
-    return nbytes / seconds
+    rows = x.view(STREAMS, -1)
+    out = torch.empty(rows.shape[1], dtype=torch.float32, device=device)
+    one = clock.best_seconds(x.sum, device, repeats, warmup=0)
+    many = clock.best_seconds(lambda: torch.sum(rows, 0, out=out), device, repeats, warmup=1)
+    del x, out
+    return nbytes / min(one, many)
 
 
 def measure_flops(device: str = "cpu", n: int | None = None, repeats: int = 3) -> float:
@@ -54,7 +61,7 @@ def measure(device: str = "cpu", nbytes: int = 2**30, gemm_n: int | None = None)
     t = time.perf_counter()
     bandwidth = measure_bandwidth(device, nbytes)
     flops = measure_flops(device, gemm_n)
-    return {"bandwidth_gb_per_s": bandwidth / 1e9, "gflop_per_s": flops / 1e9,
+    return {"bandwidth_gb_per_s": bandwidth / 1e9, "gflop_per_s": flops / 1e9, "method": METHOD,
             "threads": torch.get_num_threads(), "device": device, "measured_at": time.time(),
             "measure_seconds": time.perf_counter() - t}
 
@@ -97,7 +104,8 @@ def machine_roofline(device: str = "cpu", root: Path | None = None) -> Roofline:
     memo = f"{root}|{key}"
     if memo not in _memo:
         entry = load_entry(key, root)
-        _memo[memo] = _roofline(key, entry) if entry else calibrate(device, root)[0]
+        fresh = entry is not None and entry.get("method") == METHOD
+        _memo[memo] = _roofline(key, entry) if fresh else calibrate(device, root)[0]
     return _memo[memo]
 
 
