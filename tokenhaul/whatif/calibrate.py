@@ -44,7 +44,6 @@ def measure_bandwidth(device: str = "cpu", nbytes: int = 2**30, repeats: int = 5
     out = torch.empty(rows.shape[1], dtype=torch.float32, device=device)
     one = clock.best_seconds(x.sum, device, repeats, warmup=0)
     many = clock.best_seconds(lambda: torch.sum(rows, 0, out=out), device, repeats, warmup=1)
-    del x, out
     return nbytes / min(one, many)
 
 
