@@ -1,6 +1,8 @@
 """Few-row int8 linear: `torch.ops.tokenhaul_int8.gemv(x bf16 [M <= 8, K], weight int8 [N, K], scales bf16 [N])`
 → fp32 [M, N], for decode steps of `Int8Linear`. At one row it streams the SmolLM2 / Qwen lm_heads at 35 GB/s
 (huge pages, 2 threads) where `_weight_int8pack_mm` read 15 (2.3x); Qwen's int8 layers 1.2-1.4x.
+With one row each thread walks its weight rows as 4 runs at once: one sequential run per core left the Sapphire
+Rapids host's memory-level parallelism unused (700 MB of Qwen layers: 19 -> 30 GB/s; RESULTS "Speed run 5").
 
 A small C++ kernel (int8_gemv.cpp, built on first use: tokenhaul/native.py), registered as a torch op with a fake
 implementation so the compiled decode step can call it. Without a C++ compiler `Int8Linear` keeps the packed
