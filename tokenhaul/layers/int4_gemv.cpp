@@ -42,56 +42,54 @@ struct Problem {
 };
 
 #ifdef __AVX2__
-// out[TM][64] += rows m0.. of x against block b over groups [g0, g1). TM rows at once, SL of the block's four
+// out[TM][64] += rows m0.. of x against group g of block b. TM rows at once, SL of the block's four
 // 8-byte slices at once (each slice: 8 rows from the low nibbles, the 8 rows 32 further from the high ones).
 template <int TM, int SL>
-void block_rows(const Problem& p, int64_t b, int64_t g0, int64_t g1, int64_t m0, float* out) {
+void block_rows(const Problem& p, int64_t b, int64_t g, int64_t m0, float* out) {
   constexpr int A = TM * SL * 2;  // accumulators: [m][slice][low / high nibbles]
   const int64_t k = p.k, n = p.n, group = p.group, groups = p.groups;
   const uint8_t* wb = p.w + b * k * 32;
   const float* x = p.x + m0 * k;
   const float* xs = p.xs + m0 * groups;
   const __m256i high16 = _mm256_set1_epi32(static_cast<int>(0xffff0000u));
-  for (int64_t g = g0; g < g1; ++g) {
-    const uint16_t* szb = p.sz + (g * n + b * 64) * 2;
-    for (int s0 = 0; s0 < 4; s0 += SL) {
-      __m256 acc[A];
+  const uint16_t* szb = p.sz + (g * n + b * 64) * 2;
+  for (int s0 = 0; s0 < 4; s0 += SL) {
+    __m256 acc[A];
 #pragma GCC unroll 16
-      for (int a = 0; a < A; ++a) acc[a] = _mm256_setzero_ps();
-      const uint8_t* src = wb + g * group * 32 + s0 * 8;
-      for (int64_t kk = g * group; kk < (g + 1) * group; ++kk, src += 32) {
+    for (int a = 0; a < A; ++a) acc[a] = _mm256_setzero_ps();
+    const uint8_t* src = wb + g * group * 32 + s0 * 8;
+    for (int64_t kk = g * group; kk < (g + 1) * group; ++kk, src += 32) {
 #if PREFETCH
-        if (s0 == 0) _mm_prefetch(reinterpret_cast<const char*>(src) + PREFETCH, _MM_HINT_T0);
+      if (s0 == 0) _mm_prefetch(reinterpret_cast<const char*>(src) + PREFETCH, _MM_HINT_T0);
 #endif
 #pragma GCC unroll 4
-        for (int s = 0; s < SL; ++s) {  // one slice's 16 weights converted, then used by every row of x
-          const __m256i v = _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(src + 8 * s)));
-          const __m256 both = _mm256_cvtepi32_ps(v);  // lo + 16 hi: the low nibbles' sum is taken out after
-          const __m256 hi = _mm256_cvtepi32_ps(_mm256_srli_epi32(v, 4));
-#pragma GCC unroll 6
-          for (int m = 0; m < TM; ++m) {
-            const __m256 xv = _mm256_broadcast_ss(x + m * k + kk);
-            acc[(m * SL + s) * 2] = _mm256_fmadd_ps(both, xv, acc[(m * SL + s) * 2]);
-            acc[(m * SL + s) * 2 + 1] = _mm256_fmadd_ps(hi, xv, acc[(m * SL + s) * 2 + 1]);
-          }
-        }
-      }
-#pragma GCC unroll 8
-      for (int j = 0; j < SL * 2; ++j) {
-        const int r = (j & 1) * 32 + (s0 + j / 2) * 8;  // the 8 rows this accumulator holds
-        const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(szb + r * 2));
-        const __m256 scale = _mm256_castsi256_ps(_mm256_slli_epi32(v, 16));
-        const __m256 zero = _mm256_castsi256_ps(_mm256_and_si256(v, high16));
+      for (int s = 0; s < SL; ++s) {  // one slice's 16 weights converted, then used by every row of x
+        const __m256i v = _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(src + 8 * s)));
+        const __m256 both = _mm256_cvtepi32_ps(v);  // lo + 16 hi: the low nibbles' sum is taken out after
+        const __m256 hi = _mm256_cvtepi32_ps(_mm256_srli_epi32(v, 4));
 #pragma GCC unroll 6
         for (int m = 0; m < TM; ++m) {
-          const float sx = xs[m * groups + g];
-          float* o = out + m * 64 + r;
-          const __m256 sum = (j & 1) ? acc[m * SL * 2 + j]
-                                     : _mm256_fnmadd_ps(_mm256_set1_ps(16.0f), acc[m * SL * 2 + j + 1], acc[m * SL * 2 + j]);
-          const __m256 centred = _mm256_sub_ps(sum, _mm256_set1_ps(8.0f * sx));
-          const __m256 y = _mm256_fmadd_ps(scale, centred, _mm256_loadu_ps(o));
-          _mm256_storeu_ps(o, _mm256_fmadd_ps(zero, _mm256_set1_ps(sx), y));
+          const __m256 xv = _mm256_broadcast_ss(x + m * k + kk);
+          acc[(m * SL + s) * 2] = _mm256_fmadd_ps(both, xv, acc[(m * SL + s) * 2]);
+          acc[(m * SL + s) * 2 + 1] = _mm256_fmadd_ps(hi, xv, acc[(m * SL + s) * 2 + 1]);
         }
+      }
+    }
+#pragma GCC unroll 8
+    for (int j = 0; j < SL * 2; ++j) {
+      const int r = (j & 1) * 32 + (s0 + j / 2) * 8;  // the 8 rows this accumulator holds
+      const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(szb + r * 2));
+      const __m256 scale = _mm256_castsi256_ps(_mm256_slli_epi32(v, 16));
+      const __m256 zero = _mm256_castsi256_ps(_mm256_and_si256(v, high16));
+#pragma GCC unroll 6
+      for (int m = 0; m < TM; ++m) {
+        const float sx = xs[m * groups + g];
+        float* o = out + m * 64 + r;
+        const __m256 sum = (j & 1) ? acc[m * SL * 2 + j]
+                                   : _mm256_fnmadd_ps(_mm256_set1_ps(16.0f), acc[m * SL * 2 + j + 1], acc[m * SL * 2 + j]);
+        const __m256 centred = _mm256_sub_ps(sum, _mm256_set1_ps(8.0f * sx));
+        const __m256 y = _mm256_fmadd_ps(scale, centred, _mm256_loadu_ps(o));
+        _mm256_storeu_ps(o, _mm256_fmadd_ps(zero, _mm256_set1_ps(sx), y));
       }
     }
   }
@@ -147,45 +145,43 @@ AVX512_BF16 inline __attribute__((always_inline)) void pair_step(const uint8_t* 
 }
 
 template <int TM>
-AVX512_BF16 void block_rows_bf16(const Problem& p, int64_t b, int64_t g0, int64_t g1, int64_t m0, float* out) {
+AVX512_BF16 void block_rows_bf16(const Problem& p, int64_t b, int64_t g, int64_t m0, float* out) {
   const int64_t k = p.k, n = p.n, group = p.group, groups = p.groups, half = p.k / 2, quarter = group / 4;
   const uint8_t* wb = p.w + b * k * 32;
   const uint32_t* xp = p.xpairs + m0 * half;
   const float* xs = p.xs + m0 * groups;
   const __m512i high16 = _mm512_set1_epi32(static_cast<int>(0xffff0000u));
-  for (int64_t g = g0; g < g1; ++g) {
-    __m512 first[TM][4], second[TM][4];  // the group's first and second half of input pairs
-    for (int m = 0; m < TM; ++m)
-      for (int j = 0; j < 4; ++j) first[m][j] = second[m][j] = _mm512_setzero_ps();
-    const uint8_t* src = wb + g * group * 32;
-    const int64_t pair = g * group / 2;
-    if (TM <= 2) {
-      for (int64_t i = 0; i < quarter; ++i) {
-        pair_step<TM>(src + i * 64, xp, half, pair + i, first);
-        pair_step<TM>(src + (quarter + i) * 64, xp, half, pair + quarter + i, second);
-      }
-    } else {  // TM × 4 sums already in flight; the first half waits in L1, not in registers the second needs
-      alignas(64) float kept[TM][4][16];
-      for (int64_t i = 0; i < quarter; ++i) pair_step<TM>(src + i * 64, xp, half, pair + i, first);
-      for (int m = 0; m < TM; ++m)
-        for (int j = 0; j < 4; ++j) _mm512_store_ps(kept[m][j], first[m][j]);
-      for (int64_t i = quarter; i < 2 * quarter; ++i) pair_step<TM>(src + i * 64, xp, half, pair + i, second);
-      for (int m = 0; m < TM; ++m)
-        for (int j = 0; j < 4; ++j) first[m][j] = _mm512_load_ps(kept[m][j]);
+  __m512 first[TM][4], second[TM][4];  // the group's first and second half of input pairs
+  for (int m = 0; m < TM; ++m)
+    for (int j = 0; j < 4; ++j) first[m][j] = second[m][j] = _mm512_setzero_ps();
+  const uint8_t* src = wb + g * group * 32;
+  const int64_t pair = g * group / 2;
+  if (TM <= 2) {
+    for (int64_t i = 0; i < quarter; ++i) {
+      pair_step<TM>(src + i * 64, xp, half, pair + i, first);
+      pair_step<TM>(src + (quarter + i) * 64, xp, half, pair + quarter + i, second);
     }
-    const uint16_t* szb = p.sz + (g * n + b * 64) * 2;
-    for (int j = 0; j < 4; ++j) {
-      const __m512i v = _mm512_loadu_si512(szb + j * 32);  // rows 16 j .. 16 j + 15: (scale, zero) pairs
-      const __m512 scale = _mm512_castsi512_ps(_mm512_slli_epi32(v, 16));
-      const __m512 zero = _mm512_castsi512_ps(_mm512_and_si512(v, high16));
-      for (int m = 0; m < TM; ++m) {
-        const float sx = xs[m * groups + g];
-        float* o = out + m * 64 + j * 16;
-        const __m512 sum = _mm512_add_ps(first[m][j], second[m][j]);
-        const __m512 c = _mm512_fmsub_ps(sum, _mm512_set1_ps(32.0f), _mm512_set1_ps(24.0f * sx));
-        const __m512 y = _mm512_fmadd_ps(scale, c, _mm512_loadu_ps(o));
-        _mm512_storeu_ps(o, _mm512_fmadd_ps(zero, _mm512_set1_ps(sx), y));
-      }
+  } else {  // TM × 4 sums already in flight; the first half waits in L1, not in registers the second needs
+    alignas(64) float kept[TM][4][16];
+    for (int64_t i = 0; i < quarter; ++i) pair_step<TM>(src + i * 64, xp, half, pair + i, first);
+    for (int m = 0; m < TM; ++m)
+      for (int j = 0; j < 4; ++j) _mm512_store_ps(kept[m][j], first[m][j]);
+    for (int64_t i = quarter; i < 2 * quarter; ++i) pair_step<TM>(src + i * 64, xp, half, pair + i, second);
+    for (int m = 0; m < TM; ++m)
+      for (int j = 0; j < 4; ++j) first[m][j] = _mm512_load_ps(kept[m][j]);
+  }
+  const uint16_t* szb = p.sz + (g * n + b * 64) * 2;
+  for (int j = 0; j < 4; ++j) {
+    const __m512i v = _mm512_loadu_si512(szb + j * 32);  // rows 16 j .. 16 j + 15: (scale, zero) pairs
+    const __m512 scale = _mm512_castsi512_ps(_mm512_slli_epi32(v, 16));
+    const __m512 zero = _mm512_castsi512_ps(_mm512_and_si512(v, high16));
+    for (int m = 0; m < TM; ++m) {
+      const float sx = xs[m * groups + g];
+      float* o = out + m * 64 + j * 16;
+      const __m512 sum = _mm512_add_ps(first[m][j], second[m][j]);
+      const __m512 c = _mm512_fmsub_ps(sum, _mm512_set1_ps(32.0f), _mm512_set1_ps(24.0f * sx));
+      const __m512 y = _mm512_fmadd_ps(scale, c, _mm512_loadu_ps(o));
+      _mm512_storeu_ps(o, _mm512_fmadd_ps(zero, _mm512_set1_ps(sx), y));
     }
   }
 }
@@ -203,10 +199,10 @@ void unit(const Problem& p, int64_t b, int64_t g, float* out) {
       const int64_t tm = std::min<int64_t>(p.m - m0, 4);
       float* o = out + m0 * 64;
       switch (tm) {
-        case 1: block_rows_bf16<1>(p, b, g, g + 1, m0, o); break;
-        case 2: block_rows_bf16<2>(p, b, g, g + 1, m0, o); break;
-        case 3: block_rows_bf16<3>(p, b, g, g + 1, m0, o); break;
-        default: block_rows_bf16<4>(p, b, g, g + 1, m0, o); break;
+        case 1: block_rows_bf16<1>(p, b, g, m0, o); break;
+        case 2: block_rows_bf16<2>(p, b, g, m0, o); break;
+        case 3: block_rows_bf16<3>(p, b, g, m0, o); break;
+        default: block_rows_bf16<4>(p, b, g, m0, o); break;
       }
       m0 += tm;
     }
@@ -216,12 +212,12 @@ void unit(const Problem& p, int64_t b, int64_t g, float* out) {
     const int64_t left = p.m - m0;
     float* o = out + m0 * 64;
     switch (std::min<int64_t>(left, 6)) {
-      case 1: block_rows<1, 4>(p, b, g, g + 1, m0, o); break;
-      case 2: block_rows<2, 2>(p, b, g, g + 1, m0, o); break;
-      case 3: block_rows<3, 1>(p, b, g, g + 1, m0, o); break;
-      case 4: block_rows<4, 1>(p, b, g, g + 1, m0, o); break;
-      case 5: block_rows<5, 1>(p, b, g, g + 1, m0, o); break;
-      default: block_rows<6, 1>(p, b, g, g + 1, m0, o); break;
+      case 1: block_rows<1, 4>(p, b, g, m0, o); break;
+      case 2: block_rows<2, 2>(p, b, g, m0, o); break;
+      case 3: block_rows<3, 1>(p, b, g, m0, o); break;
+      case 4: block_rows<4, 1>(p, b, g, m0, o); break;
+      case 5: block_rows<5, 1>(p, b, g, m0, o); break;
+      default: block_rows<6, 1>(p, b, g, m0, o); break;
     }
     m0 += std::min<int64_t>(left, 6);
   }

@@ -35,38 +35,50 @@ constexpr int64_t CHUNK = 4096;  // inputs summed in int32 before a flush to fp3
 // host (Qwen lm_head, 2 threads) 512 16.7 GB/s, 1024 14.7, 2048 18.8-20.2, 4096 18.0, 8192 19.2, none 12.9
 constexpr int64_t PREFETCH = 2048;
 
-// rows [n0, n1) of W against the M rows of Xq (int16 [M, K], row m's value = Xq * xs[m]);
-// Y [M, N] = Σ_k W[n, k] * Xq[m, k] * xs[m] * scale[n], int32 sums flushed to fp32 every CHUNK inputs
-template <int M>
-void rows_dot(const int8_t* W, const int16_t* Xq, const float* xs, const uint16_t* S, int64_t K, int64_t N,
-              int64_t n0, int64_t n1, float* Y) {
-  for (int64_t n = n0; n < n1; ++n) {
-    const int8_t* w = W + n * K;
-    float sum[M];
-    for (int m = 0; m < M; ++m) sum[m] = 0.f;
-    int64_t k = 0;
+// R rows of W (their indices n[r]) against the M rows of Xq (int16 [M, K], row m's value = Xq * xs[m]):
+// Y [M, N] at those rows = Σ_k W[n, k] * Xq[m, k] * xs[m] * scale[n], int32 sums flushed to fp32 every CHUNK
+// inputs. Each (row, activation row) is summed the same way whatever R and M, so a row's result does not depend
+// on its batch; R > 1 walks R weight rows at once (more cache lines in flight per core).
+template <int M, int R>
+void dot_rows(const int8_t* W, const int64_t* n, const int16_t* Xq, const float* xs, const uint16_t* S, int64_t K,
+              int64_t N, float* Y) {
+  const int8_t* w[R];
+  float sum[R][M];
+  for (int r = 0; r < R; ++r) {
+    w[r] = W + n[r] * K;
+    for (int m = 0; m < M; ++m) sum[r][m] = 0.f;
+  }
+  int64_t k = 0;
 #ifdef __AVX2__
-    for (int64_t c0 = 0; c0 + 32 <= K; c0 += CHUNK) {
-      const int64_t c1 = std::min(K, c0 + CHUNK) & ~int64_t{31};
-      __m256i a0[M], a1[M];
-      for (int m = 0; m < M; ++m) a0[m] = a1[m] = _mm256_setzero_si256();
-      for (k = c0; k < c1; k += 32) {  // 32 weights widened to int16, multiplied and pair-summed to int32
-        _mm_prefetch(reinterpret_cast<const char*>(w + k + PREFETCH), _MM_HINT_T0);
-        const __m256i w0 = _mm256_cvtepi8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(w + k)));
-        const __m256i w1 = _mm256_cvtepi8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(w + k + 16)));
+  for (int64_t c0 = 0; c0 + 32 <= K; c0 += CHUNK) {
+    const int64_t c1 = std::min(K, c0 + CHUNK) & ~int64_t{31};
+    __m256i a0[R][M], a1[R][M];
+    for (int r = 0; r < R; ++r)
+      for (int m = 0; m < M; ++m) a0[r][m] = a1[r][m] = _mm256_setzero_si256();
+    for (k = c0; k < c1; k += 32) {  // 32 weights widened to int16, multiplied and pair-summed to int32
+#pragma GCC unroll 8
+      for (int r = 0; r < R; ++r) {
+        _mm_prefetch(reinterpret_cast<const char*>(w[r] + k + PREFETCH), _MM_HINT_T0);
+        const __m256i w0 = _mm256_cvtepi8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(w[r] + k)));
+        const __m256i w1 = _mm256_cvtepi8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(w[r] + k + 16)));
         for (int m = 0; m < M; ++m) {
           const __m256i* x = reinterpret_cast<const __m256i*>(Xq + m * K + k);
-          a0[m] = _mm256_add_epi32(a0[m], _mm256_madd_epi16(w0, _mm256_loadu_si256(x)));
-          a1[m] = _mm256_add_epi32(a1[m], _mm256_madd_epi16(w1, _mm256_loadu_si256(x + 1)));
+          a0[r][m] = _mm256_add_epi32(a0[r][m], _mm256_madd_epi16(w0, _mm256_loadu_si256(x)));
+          a1[r][m] = _mm256_add_epi32(a1[r][m], _mm256_madd_epi16(w1, _mm256_loadu_si256(x + 1)));
         }
       }
-      for (int m = 0; m < M; ++m) sum[m] += hsum(_mm256_add_ps(_mm256_cvtepi32_ps(a0[m]), _mm256_cvtepi32_ps(a1[m])));
     }
+    for (int r = 0; r < R; ++r)
+      for (int m = 0; m < M; ++m)
+        sum[r][m] += hsum(_mm256_add_ps(_mm256_cvtepi32_ps(a0[r][m]), _mm256_cvtepi32_ps(a1[r][m])));
+  }
 #endif
-    for (; k < K; ++k)
-      for (int m = 0; m < M; ++m) sum[m] += static_cast<float>(static_cast<int32_t>(w[k]) * Xq[m * K + k]);
-    const float s = bf16_to_float(S[n]);
-    for (int m = 0; m < M; ++m) Y[m * N + n] = sum[m] * xs[m] * s;
+  for (; k < K; ++k)
+    for (int r = 0; r < R; ++r)
+      for (int m = 0; m < M; ++m) sum[r][m] += static_cast<float>(static_cast<int32_t>(w[r][k]) * Xq[m * K + k]);
+  for (int r = 0; r < R; ++r) {
+    const float s = bf16_to_float(S[n[r]]);
+    for (int m = 0; m < M; ++m) Y[m * N + n[r]] = sum[r][m] * xs[m] * s;
   }
 }
 
@@ -74,57 +86,26 @@ void rows_dot(const int8_t* W, const int16_t* Xq, const float* xs, const uint16_
 #define STREAMS 4  // runs per thread at one row; 700 MB of Qwen layers, 2 threads (GB/s): 1 19.7, 2 26.5, 4 30.3, 8 28.8
 #endif
 
-// One activation row: the thread's rows [n0, n1) cut into STREAMS runs walked in lockstep, each row summed
-// exactly as rows_dot<1> sums it (so a row's result does not depend on its batch). One sequential run keeps too
-// few cache lines in flight to reach a core's share of DRAM bandwidth (bench/RESULTS.md).
-void rows_dot_streams(const int8_t* W, const int16_t* Xq, const float* xs, const uint16_t* S, int64_t K, int64_t N,
-                      int64_t n0, int64_t n1, float* Y) {
-  constexpr int R = STREAMS;
+// Rows [n0, n1): with one activation row cut into STREAMS runs walked in lockstep (one sequential run keeps too
+// few cache lines in flight to reach a core's share of DRAM bandwidth, bench/RESULTS.md), else row by row.
+template <int M>
+void rows_dot(const int8_t* W, const int16_t* Xq, const float* xs, const uint16_t* S, int64_t K, int64_t N,
+              int64_t n0, int64_t n1, float* Y) {
+  constexpr int R = M == 1 ? STREAMS : 1;
   const int64_t len = (n1 - n0) / R;
-#ifdef __AVX2__
-  if (len > 0 && K % 32 == 0) {
-    for (int64_t i = 0; i < len; ++i) {
-      const int8_t* w[R];
-      float sum[R];
-      for (int r = 0; r < R; ++r) w[r] = W + (n0 + r * len + i) * K, sum[r] = 0.f;
-      for (int64_t c0 = 0; c0 < K; c0 += CHUNK) {
-        const int64_t c1 = std::min(K, c0 + CHUNK);
-        __m256i a0[R], a1[R];
-        for (int r = 0; r < R; ++r) a0[r] = a1[r] = _mm256_setzero_si256();
-        for (int64_t k = c0; k < c1; k += 32) {
-          const __m256i* x = reinterpret_cast<const __m256i*>(Xq + k);
-          const __m256i x0 = _mm256_loadu_si256(x), x1 = _mm256_loadu_si256(x + 1);
-#pragma GCC unroll 8
-          for (int r = 0; r < R; ++r) {
-            _mm_prefetch(reinterpret_cast<const char*>(w[r] + k + PREFETCH), _MM_HINT_T0);
-            const __m256i w0 = _mm256_cvtepi8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(w[r] + k)));
-            const __m256i w1 = _mm256_cvtepi8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(w[r] + k + 16)));
-            a0[r] = _mm256_add_epi32(a0[r], _mm256_madd_epi16(w0, x0));
-            a1[r] = _mm256_add_epi32(a1[r], _mm256_madd_epi16(w1, x1));
-          }
-        }
-        for (int r = 0; r < R; ++r) sum[r] += hsum(_mm256_add_ps(_mm256_cvtepi32_ps(a0[r]), _mm256_cvtepi32_ps(a1[r])));
-      }
-      for (int r = 0; r < R; ++r) {
-        const int64_t n = n0 + r * len + i;
-        Y[n] = sum[r] * xs[0] * bf16_to_float(S[n]);
-      }
-    }
-    rows_dot<1>(W, Xq, xs, S, K, N, n0 + R * len, n1, Y);
-    return;
+  for (int64_t i = 0; i < len; ++i) {
+    int64_t n[R];
+    for (int r = 0; r < R; ++r) n[r] = n0 + r * len + i;
+    dot_rows<M, R>(W, n, Xq, xs, S, K, N, Y);
   }
-#endif
-  rows_dot<1>(W, Xq, xs, S, K, N, n0, n1, Y);
+  for (int64_t n = n0 + R * len; n < n1; ++n) dot_rows<M, 1>(W, &n, Xq, xs, S, K, N, Y);
 }
 
 template <int M>
 void run(const int8_t* W, const int16_t* Xq, const float* xs, const uint16_t* S, int64_t K, int64_t N, float* Y) {
   // grain: at least ~64 KB of weights per task, so a small matrix is not split finer than it pays
   const int64_t grain = std::max<int64_t>(1, 65536 / std::max<int64_t>(K, 1));
-  at::parallel_for(0, N, grain, [&](int64_t n0, int64_t n1) {
-    if (M == 1) rows_dot_streams(W, Xq, xs, S, K, N, n0, n1, Y);
-    else rows_dot<M>(W, Xq, xs, S, K, N, n0, n1, Y);
-  });
+  at::parallel_for(0, N, grain, [&](int64_t n0, int64_t n1) { rows_dot<M>(W, Xq, xs, S, K, N, n0, n1, Y); });
 }
 
 }  // namespace

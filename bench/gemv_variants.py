@@ -1,0 +1,92 @@
+"""Variants of a C++ GEMV side by side in one process: the int8 or int4 kernel built from a git revision's
+source or from the working tree, with -D flags, timed interleaved over Qwen2.5-0.5B-shaped layers with random
+weights (~700 MB by default: beyond a 300 MiB L3), 2 threads. Prints GB/s (best and median) and the largest
+output difference between the variants (0 where a change must not move a bit).
+
+    flock -x /tmp/tokenhaul-bench.lock .venv/bin/python bench/gemv_variants.py --kernel int8 \\
+        main=@HEAD~1 now=. runs2=.:-DSTREAMS=2
+
+A variant is NAME=SOURCE[:FLAGS], SOURCE a git revision after @ or "." for the working tree.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import subprocess
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+from torch.utils.cpp_extension import load
+
+ROOT = Path(__file__).resolve().parent.parent
+SOURCES = {"int8": "tokenhaul/layers/int8_gemv.cpp", "int4": "tokenhaul/layers/int4_gemv.cpp"}
+NAMESPACES = {"int8": "tokenhaul_int8", "int4": "tokenhaul_int4"}
+SHAPES = [(1152, 896), (896, 896), (9728, 896), (896, 4864)]  # qkv, o, gate_up, down
+
+
+def build(kernel: str, name: str, spec: str, workdir: Path):
+    """Compile one variant as its own op namespace; returns the op."""
+    source, _, flags = spec.partition(":")
+    path = SOURCES[kernel]
+    text = (subprocess.run(["git", "show", f"{source[1:]}:{path}"], cwd=ROOT, check=True, capture_output=True,
+                           text=True).stdout if source.startswith("@") else (ROOT / path).read_text())
+    namespace = f"gemv_variant_{kernel}_{name}"
+    file = workdir / f"{namespace}.cpp"
+    file.write_text(text.replace(NAMESPACES[kernel], namespace))
+    load(namespace, [str(file)], extra_cflags=["-O3", "-mavx2", "-mfma", "-fopenmp", *flags.split()],
+         is_python_module=False)
+    return getattr(torch.ops, namespace).gemv
+
+
+def weights(kernel: str, megabytes: float, rows: int) -> list[tuple]:
+    """Distinct random layers until `megabytes`; each entry is the op's arguments after x."""
+    per_layer = sum(n * k for n, k in SHAPES) * (1 if kernel == "int8" else 0.625)
+    layers = max(1, int(megabytes * 1e6 / per_layer))
+    out = []
+    for _ in range(layers):
+        for n, k in SHAPES:
+            x = torch.randn(rows, k).bfloat16()
+            if kernel == "int8":
+                out.append((x, torch.randint(-128, 128, (n, k), dtype=torch.int8), torch.rand(n).bfloat16() * 0.01))
+            else:
+                out.append((x, torch.randint(0, 256, (n, k // 2), dtype=torch.uint8),
+                            (torch.randn(k // 32, n, 2) * 0.01).bfloat16(), 32))
+    return out
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("variants", nargs="+", help="NAME=SOURCE[:FLAGS]")
+    ap.add_argument("--kernel", choices=sorted(SOURCES), default="int8")
+    ap.add_argument("--rows", type=int, default=1)
+    ap.add_argument("--megabytes", type=float, default=700)
+    ap.add_argument("--passes", type=int, default=7)
+    ap.add_argument("--threads", type=int, default=2)
+    args = ap.parse_args()
+    torch.set_num_threads(args.threads)
+    with tempfile.TemporaryDirectory() as tmp:
+        ops = {name: build(args.kernel, name, spec, Path(tmp))
+               for name, spec in (v.split("=", 1) for v in args.variants)}
+    calls = weights(args.kernel, args.megabytes, args.rows)
+    nbytes = sum(sum(t.numel() * t.element_size() for t in c[1:3]) for c in calls)
+    times = {name: [] for name in ops}
+    for _ in range(args.passes):
+        for name, op in ops.items():  # interleaved: the host's drift hits every variant alike
+            t = time.perf_counter()
+            for c in calls:
+                op(*c)
+            times[name].append(time.perf_counter() - t)
+    print(f"{args.kernel} GEMV, {args.rows} row(s), {len(calls)} linears, {nbytes / 1e6:.0f} MB, "
+          f"{args.threads} threads, {args.passes} passes")
+    print("| variant | best GB/s | median GB/s |\n|---|---|---|")
+    for name, ts in times.items():
+        print(f"| {name} | {nbytes / min(ts) / 1e9:.1f} | {nbytes / statistics.median(ts) / 1e9:.1f} |")
+    outs = [op(*calls[0]).float() for op in ops.values()]
+    print(f"largest difference between variants: {max((o - outs[0]).abs().max().item() for o in outs):g}")
+
+
+if __name__ == "__main__":
+    main()
