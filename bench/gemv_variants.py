@@ -1,4 +1,5 @@
-"""Variants of a C++ GEMV side by side in one process: the int8 or int4 kernel built from a git revision's
+"""Variants of a C++ GEMV side by side in one process: the int8, int4 or gathered (sparse-int8: activation
+sparsity, `--kept` of the inputs over the threshold, GB/s of the rows it reads) kernel built from a git revision's
 source or from the working tree, with -D flags, timed interleaved over Qwen2.5-0.5B-shaped layers with random
 weights (~700 MB by default: beyond a 300 MiB L3), 2 threads. Prints GB/s (best and median) and the largest
 output difference between the variants (0 where a change must not move a bit).
@@ -22,8 +23,9 @@ import torch
 from torch.utils.cpp_extension import load
 
 ROOT = Path(__file__).resolve().parent.parent
-SOURCES = {"int8": "tokenhaul/layers/int8_gemv.cpp", "int4": "tokenhaul/layers/int4_gemv.cpp"}
-NAMESPACES = {"int8": "tokenhaul_int8", "int4": "tokenhaul_int4"}
+SOURCES = {"int8": "tokenhaul/layers/int8_gemv.cpp", "int4": "tokenhaul/layers/int4_gemv.cpp",
+           "sparse-int8": "tokenhaul/layers/sparse_gemv.cpp"}
+NAMESPACES = {"int8": "tokenhaul_int8", "int4": "tokenhaul_int4", "sparse-int8": "tokenhaul_sparse"}
 SHAPES = [(1152, 896), (896, 896), (9728, 896), (896, 4864)]  # qkv, o, gate_up, down
 
 
@@ -33,7 +35,7 @@ def build(kernel: str, name: str, spec: str, workdir: Path):
     path = SOURCES[kernel]
     text = (subprocess.run(["git", "show", f"{source[1:]}:{path}"], cwd=ROOT, check=True, capture_output=True,
                            text=True).stdout if source.startswith("@") else (ROOT / path).read_text())
-    namespace = f"gemv_variant_{kernel}_{name}"
+    namespace = f"gemv_variant_{kernel.replace('-', '_')}_{name}"
     file = workdir / f"{namespace}.cpp"
     file.write_text(text.replace(NAMESPACES[kernel], namespace))
     load(namespace, [str(file)], extra_cflags=["-O3", "-mavx2", "-mfma", "-fopenmp", *flags.split()],
@@ -41,15 +43,19 @@ def build(kernel: str, name: str, spec: str, workdir: Path):
     return getattr(torch.ops, namespace).gemv
 
 
-def weights(kernel: str, megabytes: float, rows: int) -> list[tuple]:
+def weights(kernel: str, megabytes: float, rows: int, kept: float) -> list[tuple]:
     """Distinct random layers until `megabytes`; each entry is the op's arguments after x."""
-    per_layer = sum(n * k for n, k in SHAPES) * (1 if kernel == "int8" else 0.625)
+    per_layer = sum(n * k for n, k in SHAPES) * (0.625 if kernel == "int4" else 1)
     layers = max(1, int(megabytes * 1e6 / per_layer))
     out = []
     for _ in range(layers):
         for n, k in SHAPES:
             x = torch.randn(rows, k).bfloat16()
-            if kernel == "int8":
+            if kernel == "sparse-int8":  # weight by input channel [k, n], fp32 (scale, offset) per channel
+                threshold = torch.distributions.Normal(0.0, 1.0).icdf(torch.tensor(0.5 + (1 - kept) / 2)).item()
+                out.append((x, threshold, torch.randint(0, 256, (k, n), dtype=torch.uint8),
+                            torch.rand(k, 2) * 0.01, n, 0, None, torch.zeros(2, dtype=torch.long)))
+            elif kernel == "int8":
                 out.append((x, torch.randint(-128, 128, (n, k), dtype=torch.int8), torch.rand(n).bfloat16() * 0.01))
             else:
                 out.append((x, torch.randint(0, 256, (n, k // 2), dtype=torch.uint8),
@@ -62,6 +68,7 @@ def main() -> None:
     ap.add_argument("variants", nargs="+", help="NAME=SOURCE[:FLAGS]")
     ap.add_argument("--kernel", choices=sorted(SOURCES), default="int8")
     ap.add_argument("--rows", type=int, default=1)
+    ap.add_argument("--kept", type=float, default=0.6, help="sparse: share of inputs over the threshold")
     ap.add_argument("--megabytes", type=float, default=700)
     ap.add_argument("--passes", type=int, default=7)
     ap.add_argument("--threads", type=int, default=2)
@@ -70,8 +77,11 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as tmp:
         ops = {name: build(args.kernel, name, spec, Path(tmp))
                for name, spec in (v.split("=", 1) for v in args.variants)}
-    calls = weights(args.kernel, args.megabytes, args.rows)
-    nbytes = sum(sum(t.numel() * t.element_size() for t in c[1:3]) for c in calls)
+    calls = weights(args.kernel, args.megabytes, args.rows, args.kept)
+    nbytes = sum(sum(t.numel() * t.element_size() for t in c[1:3] if isinstance(t, torch.Tensor)) for c in calls)
+    if args.kernel.startswith("sparse"):  # the bytes the kernel reads: its kept rows
+        nbytes = sum((c[2].numel() + c[3].numel() * 4) * (c[0].float().abs() >= c[1]).float().mean().item()
+                     for c in calls)
     times = {name: [] for name in ops}
     for _ in range(args.passes):
         for name, op in ops.items():  # interleaved: the host's drift hits every variant alike
