@@ -11,12 +11,15 @@ def _openmp_wait() -> None:
     Measured, SmolLM2 int4 batch-1 decode, 2 threads (MACHINE.md): on idle cores a short spin
     (GOMP_SPINCOUNT=10000) runs 74 tok/s, PASSIVE (sleep at once) 43 — each of ~500 parallel ops a token
     pays a futex wake-up; with another process busy on a core the spin falls to 13 and PASSIVE holds 32.
-    So: spin briefly when the cores were idle over the last minute, sleep at once when they were not."""
+    So: spin briefly when the cores are idle now, sleep at once when other work holds half of them or more.
+    "Now" is 0.1 s of /proc/stat: the 1-minute load average still read ~1 a minute after a benchmark ended and
+    chose PASSIVE on idle cores, 47 instead of 201 tok/s (Zen 5 host, bench/RESULTS.md)."""
     if "OMP_WAIT_POLICY" in os.environ or "GOMP_SPINCOUNT" in os.environ:
         return
+    from tokenhaul.host import busy_cores
+
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
-    idle = hasattr(os, "getloadavg") and os.getloadavg()[0] < 0.5 * cores
-    if idle:
+    if busy_cores() < 0.5 * cores:
         os.environ["GOMP_SPINCOUNT"] = "10000"
     else:
         os.environ["OMP_WAIT_POLICY"] = "PASSIVE"

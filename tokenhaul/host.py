@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import platform
+import time
 from pathlib import Path
 
 
@@ -23,3 +24,33 @@ def openmp_wait() -> str:
     environment set it): a step's time depends on it as much as on any kernel."""
     spin = os.environ.get("GOMP_SPINCOUNT")
     return f"GOMP_SPINCOUNT={spin}" if spin else f"OMP_WAIT_POLICY={os.environ.get('OMP_WAIT_POLICY', 'unset')}"
+
+
+def _cpu_times(cpus: set[int]) -> tuple[int, int] | None:
+    """(busy, total) jiffies of `cpus` since boot, from /proc/stat; None where there is none."""
+    try:
+        lines = Path("/proc/stat").read_text().splitlines()
+    except OSError:
+        return None
+    busy = total = 0
+    for line in lines:
+        name, *fields = line.split()
+        if name.startswith("cpu") and name[3:].isdigit() and int(name[3:]) in cpus:
+            values = [int(v) for v in fields[:8]]  # user nice system idle iowait irq softirq steal
+            total += sum(values)
+            busy += sum(values) - values[3] - values[4]
+    return (busy, total) if total else None
+
+
+def busy_cores(window: float = 0.1) -> float:
+    """How many of this process's cores other work keeps busy now: /proc/stat sampled over `window` seconds
+    (a 1-minute load average lags: it still reads ~1 a minute after a job ended); the load average where
+    /proc/stat is missing."""
+    cpus = os.sched_getaffinity(0) if hasattr(os, "sched_getaffinity") else set(range(os.cpu_count() or 1))
+    before = _cpu_times(cpus)
+    if before is None:
+        return os.getloadavg()[0] if hasattr(os, "getloadavg") else 0.0
+    time.sleep(window)
+    after = _cpu_times(cpus)
+    total = after[1] - before[1] if after else 0
+    return len(cpus) * (after[0] - before[0]) / total if total > 0 else 0.0
