@@ -22,6 +22,8 @@ from pathlib import Path
 import torch
 from torch.utils.cpp_extension import load
 
+from tokenhaul.layers.linear_int4 import block_n
+
 ROOT = Path(__file__).resolve().parent.parent
 SOURCES = {"int8": "tokenhaul/layers/int8_gemv.cpp", "int4": "tokenhaul/layers/int4_gemv.cpp",
            "sparse-int8": "tokenhaul/layers/sparse_gemv.cpp"}
@@ -59,7 +61,7 @@ def weights(kernel: str, megabytes: float, rows: int, kept: float) -> list[tuple
                 out.append((x, torch.randint(-128, 128, (n, k), dtype=torch.int8), torch.rand(n).bfloat16() * 0.01))
             else:
                 out.append((x, torch.randint(0, 256, (n, k // 2), dtype=torch.uint8),
-                            (torch.randn(k // 32, n, 2) * 0.01).bfloat16(), 32))
+                            (torch.randn(k // 32, n, 2) * 0.01).bfloat16(), 32, block_n()))
     return out
 
 

@@ -59,7 +59,8 @@ def int4_gemv_table(rows: list[int]) -> None:
                 x = torch.randn(m, k).bfloat16()
                 pack = [lambda lin=lin, x=x: torch.ops.aten._weight_int4pack_mm_for_cpu(
                     x, lin.weight, 32, lin.scales_zeros) for lin in lins]
-                gemv = [lambda lin=lin, x=x: torch.ops.tokenhaul_int4.gemv(x, lin.weight, lin.scales_zeros, 32)
+                gemv = [lambda lin=lin, x=x: torch.ops.tokenhaul_int4.gemv(x, lin.weight, lin.scales_zeros, 32,
+                                                                            lin.block)
                         for lin in lins]
                 p, g = median_ms(pack, 9) / copies * 1e3, median_ms(gemv, 9) / copies * 1e3
                 ratios[m].append(p / g)

@@ -15,7 +15,7 @@ from hypothesis import strategies as st
 from tokenhaul.errors import TokenhaulError
 from tokenhaul.layers import int8_gemv
 from tokenhaul.layers.gguf_weight import GGUFWeight
-from tokenhaul.layers.linear_int4 import Int4Linear, groups_of, pack_cpu, unpack_cpu
+from tokenhaul.layers.linear_int4 import Int4Linear, block_n, groups_of, pack_cpu, unpack_cpu
 from tokenhaul.layers.linear_int8 import Int8Linear
 from tokenhaul.layers.quantization import LinearFactory, QuantSpec
 
@@ -47,7 +47,7 @@ def test_int4_blocks_equal_gguf_dequantize(qtype):
     exact = (q.view(96, 16, 32).float() * scale[..., None] + offset[..., None]).view(96, 512)
     torch.testing.assert_close(exact, ref, rtol=1e-6, atol=1e-7)  # the 4-bit codes are the file's own
     lin = Int4Linear.build([w], None, torch.bfloat16, CPU, 32)
-    assert torch.equal(unpack_cpu(lin.weight, 128, 512)[:96], q)
+    assert torch.equal(unpack_cpu(lin.weight, 128, 512, block_n())[:96], q)
     # the kernel itself, fed the identity, returns W^T: only bf16 scales/zeros (and bf16 output) differ
     eye = torch.eye(512, dtype=torch.bfloat16)
     kernel_w = torch.ops.aten._weight_int4pack_mm_for_cpu(eye, lin.weight, 32, lin.scales_zeros).float().t()
@@ -68,9 +68,42 @@ def test_cpp_dequantize_equals_torch_ops(monkeypatch, n, k, group):
     assert fast.shape == (k, n) and torch.equal(fast, lin.dense_t())
 
 
+def pack_blocks(q: torch.Tensor, block: int) -> torch.Tensor:
+    """torch's CPU int4pack layout with `block` rows per block, written out: [N, K] codes → [N, K / 2] bytes."""
+    n, k = q.shape
+    b = q.view(n // block, 2, block // 2, k).permute(0, 3, 1, 2)  # [N / block, K, low / high half, block / 2]
+    return (b[:, :, 0] | b[:, :, 1] << 4).reshape(n, k // 2).contiguous()
+
+
 def test_pack_layout_round_trip():
+    """The layout torch packs on this CPU is the one tokenhaul reads (64-row blocks with AVX-512, 32 with AVX2)."""
     q = torch.randint(0, 16, (192, 96), dtype=torch.uint8)
-    assert torch.equal(unpack_cpu(pack_cpu(q), 192, 96), q)
+    assert block_n() in (32, 64)
+    assert torch.equal(pack_cpu(q), pack_blocks(q, block_n()))
+    for block in (32, 64):
+        assert torch.equal(unpack_cpu(pack_blocks(q, block), 192, 96, block), q)
+
+
+@pytest.mark.parametrize("block", [32, 64])
+def test_kernels_read_both_layouts(block):
+    """The C++ GEMV and dequantization read either block size, whichever one torch uses on this CPU (the
+    other is written out by hand): same values as the codes they were packed from."""
+    from tokenhaul.layers import int4_dequant, int4_gemv
+
+    assert int4_gemv.available() and int4_dequant.available()
+    g = torch.Generator().manual_seed(block)
+    n, k, group = 192, 256, 32
+    q = torch.randint(0, 16, (n, k), dtype=torch.uint8, generator=g)
+    sz = (torch.randn(k // group, n, 2, generator=g) * 0.1).bfloat16()
+    scale, zero = sz[..., 0].float().t(), sz[..., 1].float().t()  # [n, groups]
+    w = ((q.float() - 8).view(n, -1, group) * scale[..., None] + zero[..., None]).view(n, k)
+    packed = pack_blocks(q, block)
+    assert torch.equal(torch.ops.tokenhaul_int4.dequant_t(packed, sz, group, block).float(), w.bfloat16().float().t())
+    x = torch.randn(3, k, generator=g)
+    for rows in (x[:1], x):
+        y = torch.ops.tokenhaul_int4.gemv(rows, packed, sz, group, block).double()
+        ref = rows.double() @ w.double().t()
+        assert ((y - ref).abs() <= 1e-4 * (rows.double().abs() @ w.double().abs().t()) + 1e-6).all()
 
 
 @settings(max_examples=25, deadline=None)
@@ -122,9 +155,11 @@ def test_int4_gemv_matches_float_reference(n, k_groups, m, group, threads, seed)
     before = torch.get_num_threads()
     torch.set_num_threads(threads)
     try:
-        y32 = torch.ops.tokenhaul_int4.gemv(x, lin.weight, lin.scales_zeros, group)[:, :n]
-        y16 = torch.ops.tokenhaul_int4.gemv(x.bfloat16(), lin.weight, lin.scales_zeros, group)[:, :n]
-        rows = [torch.ops.tokenhaul_int4.gemv(x[i:i + 1], lin.weight, lin.scales_zeros, group)[:, :n] for i in range(m)]
+        y32 = torch.ops.tokenhaul_int4.gemv(x, lin.weight, lin.scales_zeros, group, lin.block)[:, :n]
+        y16 = torch.ops.tokenhaul_int4.gemv(x.bfloat16(), lin.weight, lin.scales_zeros, group,
+                                           lin.block)[:, :n]
+        rows = [torch.ops.tokenhaul_int4.gemv(x[i:i + 1], lin.weight, lin.scales_zeros, group, lin.block)[:, :n]
+                for i in range(m)]
     finally:
         torch.set_num_threads(before)
     assert y32.dtype == torch.float32 and y16.dtype == torch.bfloat16 and y32.shape == (m, n)

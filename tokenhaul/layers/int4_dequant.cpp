@@ -1,7 +1,8 @@
 // Int4 weights on the CPU packed layout → dense bf16 W^T [K, N] in one pass (tokenhaul/layers/int4_dequant.py).
 //
 // The layout (torch's _convert_weight_to_int4pack_for_cpu, checked in tests/layers/test_packed.py): rows in
-// blocks of 64; for each input k a block stores 32 bytes, byte j = q[n0 + j] | q[n0 + 32 + j] << 4.
+// blocks of B (64 where torch runs its AVX-512 kernels, 32 with AVX2); for each input k a block stores B / 2
+// bytes, byte j = q[n0 + j] | q[n0 + B / 2 + j] << 4.
 // scales_zeros [K / group, N, 2] bf16: value = (q - 8) * scale + zero. Each task takes one group of inputs
 // (its scales converted once), writes `group` rows of the output; plain loops the compiler vectorizes.
 #include <torch/extension.h>
@@ -19,12 +20,14 @@ static inline uint16_t float_to_bf16(float f) {  // round to nearest even (value
   return static_cast<uint16_t>((u + 0x7fffu + ((u >> 16) & 1u)) >> 16);
 }
 
-at::Tensor dequant_t(const at::Tensor& weight, const at::Tensor& scales_zeros, int64_t group) {
+at::Tensor dequant_t(const at::Tensor& weight, const at::Tensor& scales_zeros, int64_t group, int64_t block) {
   TORCH_CHECK(weight.dtype() == at::kByte && weight.is_contiguous(), "weight: contiguous uint8 [N, K / 2]");
   TORCH_CHECK(scales_zeros.dtype() == at::kBFloat16 && scales_zeros.is_contiguous() && scales_zeros.dim() == 3,
               "scales_zeros: contiguous bf16 [K / group, N, 2]");
   const int64_t groups = scales_zeros.size(0), n = scales_zeros.size(1), k = groups * group;
-  TORCH_CHECK(n % 64 == 0 && weight.size(0) == n && weight.size(1) * 2 == k, "shapes do not match");
+  TORCH_CHECK(block == 32 || block == 64, "block: 32 or 64 rows");
+  TORCH_CHECK(n % block == 0 && weight.size(0) == n && weight.size(1) * 2 == k, "shapes do not match");
+  const int64_t half = block / 2;
   auto out = at::empty({k, n}, weight.options().dtype(at::kBFloat16));
   const uint8_t* w = weight.data_ptr<uint8_t>();
   const uint16_t* sz = reinterpret_cast<const uint16_t*>(scales_zeros.data_ptr<at::BFloat16>());
@@ -39,14 +42,14 @@ at::Tensor dequant_t(const at::Tensor& weight, const at::Tensor& scales_zeros, i
       }
       for (int64_t kk = g * group; kk < (g + 1) * group; ++kk) {
         uint16_t* row = o + kk * n;
-        for (int64_t b = 0; b < n / 64; ++b) {
-          const uint8_t* src = w + (b * k + kk) * 32;
-          const float* sc = scale.data() + b * 64;
-          const float* bs = base.data() + b * 64;
-          uint16_t* dst = row + b * 64;
-          for (int j = 0; j < 32; ++j) {
+        for (int64_t b = 0; b < n / block; ++b) {
+          const uint8_t* src = w + (b * k + kk) * half;
+          const float* sc = scale.data() + b * block;
+          const float* bs = base.data() + b * block;
+          uint16_t* dst = row + b * block;
+          for (int64_t j = 0; j < half; ++j) {
             dst[j] = float_to_bf16(bs[j] + static_cast<float>(src[j] & 15) * sc[j]);
-            dst[j + 32] = float_to_bf16(bs[j + 32] + static_cast<float>(src[j] >> 4) * sc[j + 32]);
+            dst[j + half] = float_to_bf16(bs[j + half] + static_cast<float>(src[j] >> 4) * sc[j + half]);
           }
         }
       }
@@ -55,6 +58,8 @@ at::Tensor dequant_t(const at::Tensor& weight, const at::Tensor& scales_zeros, i
   return out;
 }
 
-TORCH_LIBRARY(tokenhaul_int4, m) { m.def("dequant_t(Tensor weight, Tensor scales_zeros, int group) -> Tensor"); }
+TORCH_LIBRARY(tokenhaul_int4, m) {
+  m.def("dequant_t(Tensor weight, Tensor scales_zeros, int group, int block) -> Tensor");
+}
 
 TORCH_LIBRARY_IMPL(tokenhaul_int4, CPU, m) { m.impl("dequant_t", &dequant_t); }

@@ -17,7 +17,7 @@ from tokenhaul import native
 SOURCE = Path(__file__).with_name("int4_dequant.cpp")
 
 
-def _fake(weight: torch.Tensor, scales_zeros: torch.Tensor, group: int) -> torch.Tensor:
+def _fake(weight: torch.Tensor, scales_zeros: torch.Tensor, group: int, block: int) -> torch.Tensor:
     return scales_zeros.new_empty(scales_zeros.shape[0] * group, scales_zeros.shape[1])
 
 

@@ -1,7 +1,8 @@
 // Int4 packed weights × a few activation rows (tokenhaul/layers/int4_gemv.py): y = x W^T, fp32 arithmetic.
 //
-// Reads the CPU int4pack layout as is (see int4_dequant.cpp): rows in blocks of 64, for each input k a block
-// stores 32 bytes, byte j = q[n0 + j] | q[n0 + 32 + j] << 4; scales_zeros [K / group, N, 2] bf16,
+// Reads the CPU int4pack layout as is (see int4_dequant.cpp): rows in blocks of B (64 where torch runs its AVX-512
+// kernels, 32 with AVX2), for each input k a block stores B / 2 bytes, byte j = q[n0 + j] | q[n0 + B / 2 + j] << 4;
+// work is done in units of 64 rows (one or two blocks) whatever B; scales_zeros [K / group, N, 2] bf16,
 // value = (q - 8) * scale + zero. Activations are converted to fp32 once; per group the codes are summed
 // against them unscaled and the group's scale and zero applied after:
 //   y[n] = Σ_g s[g,n] · (Σ_k q[n,k] x[k] - 8 Σ_k x[k]) + z[g,n] · Σ_k x[k].
@@ -33,22 +34,21 @@ namespace {
 inline float bf16_to_float(uint16_t h) { return c10::BFloat16(h, c10::BFloat16::from_bits()); }  // torch's own
 
 struct Problem {
-  const uint8_t* w;    // [N / 64][K][32]
+  const uint8_t* w;    // [N / B][K][B / 2]
   const uint16_t* sz;  // [G][N][2] bf16
   const float* x;      // [M][K]
   const float* xs;     // [M][G] group sums of x
-  int64_t m, k, n, groups, group;
+  int64_t m, k, n, groups, group, block;
   const uint32_t* xpairs;  // bf16 x as (x[k], x[k + 1]) pairs, [M][K / 2]; null when x is fp32
 };
 
 #ifdef __AVX2__
-// out[TM][64] += rows m0.. of x against group g of block b. TM rows at once, SL of the block's four
-// 8-byte slices at once (each slice: 8 rows from the low nibbles, the 8 rows 32 further from the high ones).
+// out[TM][64] += rows m0.. of x against group g of unit b (64 rows). TM rows at once, SL of the unit's four
+// 8-byte slices at once (each slice: 8 rows from the low nibbles, the 8 rows B / 2 further from the high ones).
 template <int TM, int SL>
 void block_rows(const Problem& p, int64_t b, int64_t g, int64_t m0, float* out) {
   constexpr int A = TM * SL * 2;  // accumulators: [m][slice][low / high nibbles]
-  const int64_t k = p.k, n = p.n, group = p.group, groups = p.groups;
-  const uint8_t* wb = p.w + b * k * 32;
+  const int64_t k = p.k, n = p.n, group = p.group, groups = p.groups, stride = p.block / 2;
   const float* x = p.x + m0 * k;
   const float* xs = p.xs + m0 * groups;
   const __m256i high16 = _mm256_set1_epi32(static_cast<int>(0xffff0000u));
@@ -57,14 +57,22 @@ void block_rows(const Problem& p, int64_t b, int64_t g, int64_t m0, float* out) 
     __m256 acc[A];
 #pragma GCC unroll 16
     for (int a = 0; a < A; ++a) acc[a] = _mm256_setzero_ps();
-    const uint8_t* src = wb + g * group * 32 + s0 * 8;
-    for (int64_t kk = g * group; kk < (g + 1) * group; ++kk, src += 32) {
-#if PREFETCH
-      if (s0 == 0) _mm_prefetch(reinterpret_cast<const char*>(src) + PREFETCH, _MM_HINT_T0);
-#endif
+    const uint8_t* src[SL];  // slice s0 + s: block (s0 + s) / per of the unit, bytes 8 ((s0 + s) % per) on
+    int low[SL];             // the first of the 8 rows its low nibbles hold
+    const int per = static_cast<int>(p.block / 16);  // slices per block
+    for (int s = 0; s < SL; ++s) {
+      const int64_t blk = b * (64 / p.block) + (s0 + s) / per, within = (s0 + s) % per;
+      src[s] = p.w + blk * k * stride + g * group * stride + within * 8;
+      low[s] = static_cast<int>(((s0 + s) / per) * p.block + within * 8);
+    }
+    for (int64_t kk = g * group; kk < (g + 1) * group; ++kk) {
 #pragma GCC unroll 4
       for (int s = 0; s < SL; ++s) {  // one slice's 16 weights converted, then used by every row of x
-        const __m256i v = _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(src + 8 * s)));
+#if PREFETCH
+        if ((s0 + s) % per == 0) _mm_prefetch(reinterpret_cast<const char*>(src[s]) + PREFETCH, _MM_HINT_T0);
+#endif
+        const __m256i v = _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(src[s])));
+        src[s] += stride;
         const __m256 both = _mm256_cvtepi32_ps(v);  // lo + 16 hi: the low nibbles' sum is taken out after
         const __m256 hi = _mm256_cvtepi32_ps(_mm256_srli_epi32(v, 4));
 #pragma GCC unroll 6
@@ -77,7 +85,7 @@ void block_rows(const Problem& p, int64_t b, int64_t g, int64_t m0, float* out) 
     }
 #pragma GCC unroll 8
     for (int j = 0; j < SL * 2; ++j) {
-      const int r = (j & 1) * 32 + (s0 + j / 2) * 8;  // the 8 rows this accumulator holds
+      const int r = low[j / 2] + (j & 1) * static_cast<int>(stride);  // the 8 rows this accumulator holds
       const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(szb + r * 2));
       const __m256 scale = _mm256_castsi256_ps(_mm256_slli_epi32(v, 16));
       const __m256 zero = _mm256_castsi256_ps(_mm256_and_si256(v, high16));
@@ -194,7 +202,7 @@ bool has_avx512_bf16() {
 
 // One unit (block b, group g) for every row of x, added into out[M][64].
 void unit(const Problem& p, int64_t b, int64_t g, float* out) {
-  if (p.xpairs != nullptr && has_avx512_bf16()) {
+  if (p.xpairs != nullptr && p.block == 64 && has_avx512_bf16()) {
     for (int64_t m0 = 0; m0 < p.m;) {
       const int64_t tm = std::min<int64_t>(p.m - m0, 4);
       float* o = out + m0 * 64;
@@ -224,15 +232,16 @@ void unit(const Problem& p, int64_t b, int64_t g, float* out) {
 }
 #else
 void unit(const Problem& p, int64_t b, int64_t g, float* out) {
+  const int64_t half = p.block / 2;
   for (int64_t j = 0; j < 64; ++j) {
-    const int64_t row = b * 64 + j;
+    const int64_t row = b * 64 + j, blk = row / p.block, within = row % p.block;
     const float scale = bf16_to_float(p.sz[(g * p.n + row) * 2]);
     const float zero = bf16_to_float(p.sz[(g * p.n + row) * 2 + 1]);
     for (int64_t m = 0; m < p.m; ++m) {
       float acc = 0.0f;
       for (int64_t kk = g * p.group; kk < (g + 1) * p.group; ++kk) {
-        const uint8_t byte = p.w[(b * p.k + kk) * 32 + (j & 31)];
-        acc += static_cast<float>(j < 32 ? byte & 15 : byte >> 4) * p.x[m * p.k + kk];
+        const uint8_t byte = p.w[(blk * p.k + kk) * half + within % half];
+        acc += static_cast<float>(within < half ? byte & 15 : byte >> 4) * p.x[m * p.k + kk];
       }
       const float sx = p.xs[m * p.groups + g];
       out[m * 64 + j] += scale * (acc - 8.0f * sx) + zero * sx;
@@ -249,12 +258,14 @@ void store_block(const float* acc, T* y, int64_t m, int64_t n, int64_t b) {
 
 }  // namespace
 
-at::Tensor gemv(const at::Tensor& x, const at::Tensor& weight, const at::Tensor& scales_zeros, int64_t group) {
+at::Tensor gemv(const at::Tensor& x, const at::Tensor& weight, const at::Tensor& scales_zeros, int64_t group,
+                int64_t block) {
   TORCH_CHECK(x.dim() == 2 && (x.dtype() == at::kBFloat16 || x.dtype() == at::kFloat), "x: bf16 or fp32 [M, K]");
   TORCH_CHECK(weight.dtype() == at::kByte && weight.is_contiguous(), "weight: contiguous uint8 [N, K / 2]");
   TORCH_CHECK(scales_zeros.dtype() == at::kBFloat16 && scales_zeros.is_contiguous() && scales_zeros.dim() == 3,
               "scales_zeros: contiguous bf16 [K / group, N, 2]");
   const int64_t groups = scales_zeros.size(0), n = scales_zeros.size(1), k = groups * group, m = x.size(0);
+  TORCH_CHECK(block == 32 || block == 64, "block: 32 or 64 rows");
   TORCH_CHECK(n % 64 == 0 && weight.size(0) == n && weight.size(1) * 2 == k && x.size(1) == k,
               "shapes do not match");
   at::Tensor y = at::empty({m, n}, x.options());
@@ -280,7 +291,7 @@ at::Tensor gemv(const at::Tensor& x, const at::Tensor& weight, const at::Tensor&
     xs[i] = sum;
   }
   const Problem p{weight.data_ptr<uint8_t>(), reinterpret_cast<const uint16_t*>(scales_zeros.data_ptr<at::BFloat16>()),
-                  xf, xs, m, k, n, groups, group,
+                  xf, xs, m, k, n, groups, group, block,
                   x.dtype() == at::kBFloat16 ? reinterpret_cast<const uint32_t*>(xc.data_ptr<at::BFloat16>()) : nullptr};
   std::vector<int64_t> edge_block(threads * 2, -1);
   const bool bf16 = x.dtype() == at::kBFloat16;
@@ -324,7 +335,7 @@ at::Tensor gemv(const at::Tensor& x, const at::Tensor& weight, const at::Tensor&
 }
 
 TORCH_LIBRARY_FRAGMENT(tokenhaul_int4, m) {
-  m.def("gemv(Tensor x, Tensor weight, Tensor scales_zeros, int group) -> Tensor");
+  m.def("gemv(Tensor x, Tensor weight, Tensor scales_zeros, int group, int block) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(tokenhaul_int4, CPU, m) { m.impl("gemv", &gemv); }

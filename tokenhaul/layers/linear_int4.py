@@ -12,7 +12,14 @@ from tokenhaul.layers import int4_dequant, int4_gemv
 from tokenhaul.layers.gguf_weight import GGUFWeight
 from tokenhaul.layers.linear import Linear, Part, dequantize_part, register
 
-BLOCK_N = 64  # the CPU kernel packs rows in blocks of 64: byte = q[n] | q[n + 32] << 4
+PAD_N = 64  # rows are padded to a multiple of every block size below
+
+
+def block_n() -> int | None:
+    """Rows per block of torch's CPU int4pack layout, which follows the kernels torch dispatches to: 64 with
+    AVX-512 (byte j of input k = q[j] | q[j + 32] << 4), 32 with AVX2 (q[j] | q[j + 16] << 4); None for the
+    scalar build (adjacent rows paired), which tokenhaul does not read."""
+    return {"AVX512": 64, "AVX2": 32}.get(torch.backends.cpu.get_cpu_capability())
 
 
 def groups_of(p: Part, group: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -40,9 +47,10 @@ def pack_cpu(q: torch.Tensor) -> torch.Tensor:
     return torch.ops.aten._convert_weight_to_int4pack_for_cpu(q.to(torch.int32), 1)
 
 
-def unpack_cpu(w: torch.Tensor, n: int, k: int) -> torch.Tensor:
-    """Inverse of pack_cpu: [N, K / 2] → q uint8 [N, K] (checked in tests against the kernel itself)."""
-    w = w.view(n // BLOCK_N, k, BLOCK_N // 2)
+def unpack_cpu(w: torch.Tensor, n: int, k: int, block: int) -> torch.Tensor:
+    """Inverse of pack_cpu with `block` rows per block: [N, K / 2] → q uint8 [N, K] (checked in tests against
+    the kernel itself)."""
+    w = w.view(n // block, k, block // 2)
     return torch.cat([w & 15, w >> 4], dim=2).transpose(1, 2).reshape(n, k)
 
 
@@ -65,6 +73,7 @@ class Int4Linear(Linear):
     def __init__(self, weight: torch.Tensor, scales_zeros: torch.Tensor, group: int, out_features: int,
                  in_features: int, bias: torch.Tensor | None) -> None:
         self.weight = weight  # packed int4, rows padded to a multiple of 64
+        self.block = block_n() or 0  # the CPU layout's rows per block (the weight cache is keyed by capability)
         self.scales_zeros = scales_zeros  # bf16 [K / group, N_padded, 2]
         self.group = group
         self.out_features, self.in_features = out_features, in_features
@@ -79,7 +88,7 @@ class Int4Linear(Linear):
 
     @classmethod
     def supports(cls, in_features: int, group: int | None) -> bool:
-        return in_features % (group or 32) == 0
+        return in_features % (group or 32) == 0 and block_n() is not None
 
     @classmethod
     def build(cls, parts: list[Part], bias, dtype, device, group=None) -> Int4Linear:
@@ -87,7 +96,7 @@ class Int4Linear(Linear):
         qs, scales, offsets = zip(*(groups_of(p, group) for p in parts))
         q, scale, offset = torch.cat(qs), torch.cat(scales), torch.cat(offsets)
         n, k = q.shape
-        pad = -n % BLOCK_N
+        pad = -n % PAD_N
         if pad:
             q = F.pad(q, (0, 0, 0, pad), value=8)
             scale, offset = F.pad(scale, (0, 0, 0, pad)), F.pad(offset, (0, 0, 0, pad))
@@ -106,7 +115,7 @@ class Int4Linear(Linear):
         if self.max_rows is not None and x.shape[0] > self.max_rows and not self.cuda:
             y = xb @ self.dense_t()
         elif self.max_rows is not None and x.shape[0] <= self.gemv_rows:
-            y = torch.ops.tokenhaul_int4.gemv(xb, self.weight, self.scales_zeros, self.group)
+            y = torch.ops.tokenhaul_int4.gemv(xb, self.weight, self.scales_zeros, self.group, self.block)
         elif self.cuda:
             y = torch.ops.aten._weight_int4pack_mm(xb, self.weight, self.group, self.scales_zeros)
         else:
@@ -118,7 +127,7 @@ class Int4Linear(Linear):
     def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
         """The weight the kernel multiplies by, [out, in] (CPU layout only)."""
         n, k = self.scales_zeros.shape[1], self.in_features
-        q = unpack_cpu(self.weight, n, k).view(n, k // self.group, self.group).float()
+        q = unpack_cpu(self.weight, n, k, self.block).view(n, k // self.group, self.group).float()
         sz = self.scales_zeros.float()
         scale, zero = sz[..., 0].t()[..., None], sz[..., 1].t()[..., None]
         w = torch.addcmul(zero - 8 * scale, q, scale).reshape(n, k)
@@ -129,9 +138,10 @@ class Int4Linear(Linear):
         or else three passes of torch ops — the codes laid out [in, out] straight from the kernel's blocks, so
         the scales broadcast as stored."""
         if int4_dequant.available():
-            return torch.ops.tokenhaul_int4.dequant_t(self.weight, self.scales_zeros, self.group)[:, :self.out_features]
-        n, k, g = self.scales_zeros.shape[1], self.in_features, self.group
-        w = self.weight.view(n // BLOCK_N, k, BLOCK_N // 2)
+            return torch.ops.tokenhaul_int4.dequant_t(self.weight, self.scales_zeros, self.group,
+                                                      self.block)[:, :self.out_features]
+        n, k, g, b = self.scales_zeros.shape[1], self.in_features, self.group, self.block
+        w = self.weight.view(n // b, k, b // 2)
         q = torch.cat([(w & 15).permute(1, 0, 2), (w >> 4).permute(1, 0, 2)], dim=2).view(k // g, g, n)
         sz = self.scales_zeros.view(k // g, 1, n, 2)
         wt = torch.addcmul(sz[..., 1], q.to(torch.bfloat16).sub_(8), sz[..., 0]).view(k, n)
