@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 
 import torch
@@ -38,15 +39,24 @@ class LLM:
         self.tokenizer = Tokenizer.from_gguf(self.files.gguf_path, self.files.cache_dir, self.files.name)
         self.draft_model, draft_dense = self._load_draft(self.config.draft_model) if self.config.draft_model else (
             None, None)
+        if self.config.sparsity:
+            self._sparsify()
         self.core = EngineCore(self.config, self.model, draft_model=self.draft_model, draft_prefill_model=draft_dense)
-        if self.config.sparsity:  # calibrated on the dense model (cached per model), then swapped in place
-            from tokenhaul.layers.linear_sparse import sparsify
-            from tokenhaul.layers.sparse_calibration import load_or_calibrate
-
-            sparsify(self.model, load_or_calibrate(self, self.config.sparsity), self.config.sparsity)
         self.costs = ModelCosts.from_model(
             self.model, KVCache.bytes_per_value(self.config.kv_torch_dtype, self.model.config.head_dim))
         self._ids = itertools.count()
+
+    def _sparsify(self) -> None:
+        """Swap the sparse linears in before the engine core is built (its compiled decode step traces them).
+        Thresholds come from the model's cache dir, or are calibrated on the dense model by an eager scratch core."""
+        from tokenhaul.layers.linear_sparse import sparsify
+        from tokenhaul.layers.sparse_calibration import is_calibrated, load_or_calibrate
+
+        c = self.config
+        if not is_calibrated(self.files.cache_dir, c.sparsity):
+            self.core = EngineCore(dataclasses.replace(c, compile="off", sparsity=0.0, itl_target_ms=0.0), self.model)
+        sparsify(self.model, load_or_calibrate(self, c.sparsity), c.sparsity)
+        self.core = None
 
     def _load_draft(self, alias: str) -> tuple[Model, Model | None]:
         """Load a draft model and refuse it unless its tokenizer is the target's, token for token. A packed

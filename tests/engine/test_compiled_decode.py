@@ -11,6 +11,7 @@ from tiny_models import tiny_model
 from tokenhaul.config import EngineConfig
 from tokenhaul.engine.core import EngineCore
 from tokenhaul.errors import TokenhaulError
+from tokenhaul.layers.linear_sparse import SPARSE_LINEARS, SparseLinear, sparsify
 from tokenhaul.layers.quantization import LinearFactory, QuantSpec
 from tokenhaul.sampling_params import SamplingParams
 
@@ -18,21 +19,30 @@ pytestmark = pytest.mark.skipif(EngineConfig(compile="off").compile_blocker is n
                                 reason="no C++ compiler for inductor")
 
 
-def compiled_core(arch: str, quant: str) -> EngineCore:
+def compiled_core(arch: str, quant: str, sparsity: float = 0.0) -> EngineCore:
     make = LinearFactory(QuantSpec.parse(quant), torch.bfloat16)
-    cfg = EngineConfig(model="tiny", dtype="bf16", compile="on", num_kv_blocks=32, block_size=4)
-    return EngineCore(cfg, tiny_model(arch, make=make))
+    model = tiny_model(arch, make=make)
+    if sparsity:  # every projection and the lm_head gathers the inputs over a small threshold
+        keys = [f"blk.{i}.{n}" for i in range(len(model.layers)) for n in SPARSE_LINEARS] + ["lm_head"]
+        sparsify(model, dict.fromkeys(keys, 0.02), sparsity)
+    cfg = EngineConfig(model="tiny", dtype="bf16", compile="on", num_kv_blocks=32, block_size=4, sparsity=sparsity)
+    return EngineCore(cfg, model)
 
 
-@pytest.mark.parametrize("arch,quant", [("llama", "int4"), ("llama", "int8"), ("gemma3", "none")])
-def test_compiled_step_matches_eager(arch, quant):
+@pytest.mark.parametrize("arch,quant,sparsity", [("llama", "int4", 0.0), ("llama", "int8", 0.0),
+                                                 ("gemma3", "none", 0.0), ("llama", "int4", 0.4)])
+def test_compiled_step_matches_eager(arch, quant, sparsity):
     """Each compiled batch-1 decode step is re-run eagerly on the same state; the logits agree. gemma3's
-    sliding window (6) is crossed, and contexts span 3 to 8 blocks of 4."""
-    core = compiled_core(arch, quant)
+    sliding window (6) is crossed, and contexts span 3 to 8 blocks of 4. Sparse linears run their gathered
+    kernel inside the graph, and its count of kept inputs (the ledger's check) still advances there."""
+    core = compiled_core(arch, quant, sparsity)
+    sparse = [v for layer in core.runner.model.layers for v in vars(layer).values() if isinstance(v, SparseLinear)]
+    assert len(sparse) == (4 * len(core.runner.model.layers) if sparsity else 0)
     runner = core.runner
     assert runner.compiled.ready and runner.compiled.compile_seconds > 0
     prepare, forward = runner.prepare, runner.forward
     compared: list[float] = []
+    counted: list[int] = []
 
     def both(sched):
         inp = prepare(sched)
@@ -43,8 +53,10 @@ def test_compiled_step_matches_eager(arch, quant):
         return inp
 
     def check(inp):
+        before = sum(int(lin.kept[0]) for lin in sparse)
         logits = forward(inp)
         if inp.decode is not None:
+            counted.append(sum(int(lin.kept[0]) for lin in sparse) - before)  # by the compiled step alone
             assert inp.attn_groups == inp.eager.attn_groups
             eager = forward(inp.eager)
             err = (logits - eager).abs().max() / eager.abs().max()
@@ -57,6 +69,7 @@ def test_compiled_step_matches_eager(arch, quant):
         core.step()
     assert len(compared) == 23  # every decode step after the prompt's went through the graph
     assert max(compared) < 0.03, compared
+    assert all(c >= len(sparse) for c in counted) if sparse else set(counted) == {0}
 
 
 def test_batches_and_prefill_stay_eager():

@@ -94,9 +94,9 @@ def test_skipped_rows_are_never_read(storage):
     skipped = ((x.abs() < 0.7).all(dim=0)).nonzero().flatten()
     assert skipped.numel() > 10
     if s.storage == "dense":
-        s.rows[skipped] = float("nan")
+        s.rows[:, skipped] = float("nan")  # rows are stored [parts, in, width]
     else:
-        s.rows[skipped] = 255  # int8: its codes, and its scale and offset below; int4: codes 15
+        s.rows[:, skipped] = 255  # int8: its codes, and its scale and offset below; int4: codes 15
         if s.storage == "int8":
             s.scales[skipped] = float("nan")
     after = s(x)

@@ -70,11 +70,15 @@ class CompiledDecode:
         c = config
         root = Path(__file__).resolve().parents[1]
         code = b"".join(f.read_bytes() for d in ("models", "layers", "kv") for f in sorted((root / d).glob("*.py")))
-        formats = [type(x).__name__ for x in vars(self.model).values()] + [
-            type(x).__name__ for layer in getattr(self.model, "layers", []) for x in vars(layer).values()]
+        parts_of = [self.model] + list(getattr(self.model, "layers", []))
+        linears = [x for part in parts_of for x in vars(part).values() if hasattr(x, "tensors")]
+        formats = [type(x).__name__ for part in parts_of for x in vars(part).values()]
+        # the shapes traced as constants (sparse rows are split in parts per thread count) and sparse thresholds
+        shapes = [tuple(tuple(t.shape) for t in lin.tensors()) for lin in linears]
+        thresholds = [lin.threshold for lin in linears if hasattr(lin, "threshold")]
         parts = (c.model, c.dtype, c.quantization, c.kv_dtype, c.block_size, c.max_model_len, self.kv.num_blocks,
-                 torch.__version__,
-                 repr(self.model.config), formats, hashlib.sha256(code + Path(__file__).read_bytes()).hexdigest())
+                 c.sparsity, torch.__version__, repr(self.model.config), formats, repr(shapes), thresholds,
+                 hashlib.sha256(code + Path(__file__).read_bytes()).hexdigest())
         return hashlib.sha256(repr(parts).encode()).hexdigest()[:16]
 
     @property

@@ -69,6 +69,17 @@ class Linear:
         return y if self.bias is None else y.add_(self.bias)
 
 
+def bf16_gemm_is_fast(device: torch.device) -> bool:
+    """Whether a many-row bf16 GEMM runs at GEMM speed here: on CUDA, and on CPUs with oneDNN's bf16 path
+    (AVX-512). With AVX2 only, torch 2.13's bf16 GEMM is a fallback loop (2 cores of a Zen 3 host: `F.linear`
+    14 GFLOP/s, `x @ w` 0.7, fp32 88; bench/RESULTS.md "bf16 GEMMs on AVX2"), so many rows compute in fp32."""
+    return device.type != "cpu" or bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
+
+
+FP32_GEMM_ROWS = 32  # from here a bf16 weight is widened to fp32 for the GEMM where bf16 GEMMs are slow (2 cores,
+# SmolLM2 layers: 0.7x at 32 rows, 0.45x at 64; at 16 rows the widening cost more than it saved)
+
+
 def make_linear(weight: torch.Tensor, bias: torch.Tensor | None = None, quantization: str = "none") -> Linear:
     """One linear from one float weight (benchmarks, the what-if calibration); models use a LinearFactory."""
     from tokenhaul.layers.quantization import LinearFactory, QuantSpec

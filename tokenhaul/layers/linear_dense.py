@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from tokenhaul.layers.linear import Linear, Part, dequantize_part, register
+from tokenhaul.layers.linear import FP32_GEMM_ROWS, Linear, Part, bf16_gemm_is_fast, dequantize_part, register
 
 
 @register("dense")
@@ -20,6 +20,7 @@ class DenseLinear(Linear):
         self.in_features, self.out_features = weight.shape if transposed else weight.shape[::-1]
         self.weight = weight
         self.bias = bias
+        self.widen = weight.dtype == torch.bfloat16 and not bf16_gemm_is_fast(weight.device)
 
     @classmethod
     def build(cls, parts: list[Part], bias, dtype, device, group=None) -> DenseLinear:
@@ -30,6 +31,9 @@ class DenseLinear(Linear):
         return cls(w, None if bias is None else bias.to(device, torch.float32))
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        if self.widen and x.shape[0] >= FP32_GEMM_ROWS:  # one fp32 copy of the weight beats a slow bf16 GEMM
+            y = torch.nn.functional.linear(x.float(), self.weight.float())
+            return self._add_bias(y).to(x.dtype)
         w = x.to(self.weight.dtype)
         y = w @ self.weight if self.transposed else torch.nn.functional.linear(w, self.weight)
         return self._add_bias(y).to(x.dtype)

@@ -10,7 +10,7 @@ import torch.nn.functional as F
 
 from tokenhaul.layers import int4_dequant, int4_gemv
 from tokenhaul.layers.gguf_weight import GGUFWeight
-from tokenhaul.layers.linear import Linear, Part, dequantize_part, register
+from tokenhaul.layers.linear import Linear, Part, bf16_gemm_is_fast, dequantize_part, register
 
 PAD_N = 64  # rows are padded to a multiple of every block size below
 
@@ -79,6 +79,7 @@ class Int4Linear(Linear):
         self.out_features, self.in_features = out_features, in_features
         self.bias = bias
         self.cuda = weight.device.type == "cuda"
+        self.widen = not bf16_gemm_is_fast(weight.device)  # the many-row GEMM in fp32 (see bf16_gemm_is_fast)
         if not self.cuda and not int4_dequant.available():
             self.max_rows = self.max_rows_fallback
         if self.cuda or not int4_gemv.available():
@@ -113,7 +114,7 @@ class Int4Linear(Linear):
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         xb = x.to(torch.bfloat16)
         if self.max_rows is not None and x.shape[0] > self.max_rows and not self.cuda:
-            y = xb @ self.dense_t()
+            y = x.float() @ self.dense_t().float() if self.widen else xb @ self.dense_t()
         elif self.max_rows is not None and x.shape[0] <= self.gemv_rows:
             y = torch.ops.tokenhaul_int4.gemv(xb, self.weight, self.scales_zeros, self.group, self.block)
         elif self.cuda:

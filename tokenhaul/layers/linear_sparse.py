@@ -1,11 +1,12 @@
 """Activation sparsity (TEAL-style, training-free): inputs under a calibrated magnitude are zeroed and the
 weight rows of those inputs are never read.
 
-The weight is stored by input channel, `[in, out]`: one contiguous row per input, so a skipped input's
-bytes are never touched. A step of up to `max_rows` rows runs a gathered GEMV over each row's kept inputs
-(Σ x_i · W[i, :] over kept i: sparse_gemv.cpp, or the same sum in torch ops without a compiler); bigger steps
-(prefill, batches, where the rows' kept sets together cover most inputs) run one dense pass on the zeroed
-inputs (a packed format's own kernel, kept beside the rows).
+The weight is stored by input channel, in column parts `[parts, in, width]` (a part's slices of every input
+row lie together, read nearly in memory order; threads take parts): a skipped input's bytes are never
+touched. A step of up to `max_rows` rows runs a gathered GEMV over each row's kept inputs (Σ x_i · W[i, :]
+over kept i: sparse_gemv.cpp, also inside the compiled decode step, or the same sum in torch ops without a
+compiler); bigger steps (prefill, batches, where the rows' kept sets together cover most inputs) run one dense
+pass on the zeroed inputs (a packed format's own kernel, kept beside the rows).
 Storage follows the wrapped linear's bits: float rows as they are ("dense"); "int8" codes per input channel
 with an fp32 (scale, offset) per channel beside them; "int4" the wrapped Int4Linear's own codes and
 (scale, zero) per (group of inputs, output), the codes laid out by input channel (nibbles along the outputs),
@@ -19,7 +20,7 @@ from pathlib import Path
 import torch
 
 from tokenhaul import native
-from tokenhaul.layers.linear import Linear, register
+from tokenhaul.layers.linear import Linear, bf16_gemm_is_fast, register
 
 # Rows at or under which the gathered kernel runs: bf16 rows for batch-1 and batch-2 steps, packed rows (int8, int4)
 # for batch-1 decodes only. Set from the serial kernel's table (bench/bytes.py, 2026-11-30); the parallel kernel's
@@ -27,6 +28,27 @@ from tokenhaul.layers.linear import Linear, register
 MAX_ROWS = 2
 MAX_ROWS_PACKED = 1
 SOURCE = Path(__file__).with_name("sparse_gemv.cpp")
+TILE = 1024  # most columns per part (sparse_gemv.cpp: its fp32 accumulator stays in L1)
+
+
+def part_width(n: int, threads: int) -> int:
+    """Columns per part: a multiple of `threads` parts of at most TILE columns, each a multiple of 16."""
+    parts = threads * -(-n // (threads * TILE))
+    per_part = -(-n // parts)
+    return -(-per_part // 16) * 16
+
+
+def in_parts(rows: torch.Tensor, width: int) -> torch.Tensor:
+    """[in, cols] → [parts, in, width] (the last part padded with zeros)."""
+    k, cols = rows.shape
+    parts = -(-cols // width)
+    padded = torch.nn.functional.pad(rows, (0, parts * width - cols))
+    return padded.view(k, parts, width).transpose(0, 1).contiguous()
+
+
+def _fake(x: torch.Tensor, threshold: float, rows: torch.Tensor, scales: torch.Tensor | None, out_features: int,
+          group: int, bias: torch.Tensor | None, kept: torch.Tensor) -> torch.Tensor:
+    return x.new_empty(x.shape[0], out_features)
 
 
 def _int8_rows(wt: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -59,13 +81,16 @@ class SparseLinear(Linear):
     def __init__(self, rows: torch.Tensor, storage: str, threshold: float, out_features: int,
                  bias: torch.Tensor | None, max_rows: int = MAX_ROWS, sparsity: float = 0.0,
                  packed: Linear | None = None, scales: torch.Tensor | None = None, group: int = 0) -> None:
-        self.rows = rows  # [in, out] float, [in, out] uint8 (int8) or [in, out / 2] uint8 (int4)
+        """`rows`: [in, out] float, [in, out] uint8 (int8) or [in, out / 2] uint8 (int4), stored in parts."""
+        width = part_width(out_features, torch.get_num_threads())
+        self.rows = in_parts(rows, width // 2 if storage == "int4" else width)  # [parts, in, width (/ 2)]
         self.storage = storage  # "dense", "int8" or "int4"
         self.scales = scales  # int8: fp32 [in, 2]; int4: bf16 [in / group, 2, out]
         self.group = group
         self.threshold = threshold
         self.out_features = out_features
         self.in_features = rows.shape[0]
+        self.row_cols = rows.shape[1]  # stored columns of one input row (int4: bytes, two codes each)
         self.bias = bias
         self.max_rows = max_rows
         self.sparsity = sparsity  # the calibrated target share of inputs under the threshold (for the ledger)
@@ -73,7 +98,8 @@ class SparseLinear(Linear):
         self.kept = torch.zeros(2, dtype=torch.long)  # the kernel's own count: kept channels, int4 groups read
         self.dense_bytes = 0
         self.fused = (storage != "dense" or rows.dtype == torch.bfloat16) and native.load(
-            SOURCE, "sparse GEMVs run as several torch ops instead (slower)", parallel=True)
+            SOURCE, "sparse GEMVs run as several torch ops instead (slower)", {"tokenhaul_sparse::gemv": _fake},
+            parallel=True)
 
     @classmethod
     def wrap(cls, inner: Linear, threshold: float, max_rows: int | None = None,
@@ -104,7 +130,9 @@ class SparseLinear(Linear):
         self.dense_bytes += self.weight_bytes
         if self.packed is not None:
             return self.packed(xz)
-        return self._add_bias((xz.to(self.rows.dtype) @ self.rows).float()).to(x.dtype)
+        dtype = torch.float32 if not bf16_gemm_is_fast(x.device) else self.rows.dtype
+        y = (xz.to(dtype) @ self.rows.to(dtype)).transpose(0, 1).reshape(x.shape[0], -1)[:, :self.out_features]
+        return self._add_bias(y.float()).to(x.dtype)
 
     def reference(self, x: torch.Tensor) -> torch.Tensor:
         """The gathered GEMV in torch ops (fp32 out): each row reads its kept inputs' rows (no compiler; tests)."""
@@ -117,9 +145,14 @@ class SparseLinear(Linear):
             out.append(xr[cols] @ self.dequantized_rows(cols))
         return self._add_bias(torch.stack(out))
 
+    def rows_of(self, cols: torch.Tensor) -> torch.Tensor:
+        """The stored rows of input channels `cols` as [len(cols), stored columns] (only those rows read)."""
+        parts, _, width = self.rows.shape
+        return self.rows[:, cols].transpose(0, 1).reshape(len(cols), parts * width)[:, :self.row_cols]
+
     def dequantized_rows(self, cols: torch.Tensor) -> torch.Tensor:
         """The fp32 weight rows of input channels `cols`, [len(cols), out]."""
-        r = self.rows[cols]
+        r = self.rows_of(cols)
         if self.storage == "dense":
             return r.float()
         if self.storage == "int8":
@@ -133,7 +166,13 @@ class SparseLinear(Linear):
     @property
     def row_bytes(self) -> int:
         """Bytes read per kept input channel (int8: its scale and offset included; int4: its codes only)."""
-        return self.rows.shape[1] * self.rows.element_size() + (8 if self.storage == "int8" else 0)
+        return self.row_cols * self.rows.element_size() + (8 if self.storage == "int8" else 0)
+
+    @property
+    def weight_bytes(self) -> int:
+        """What a dense pass reads: every row (not the parts' padding), the int4 group scales, the bias."""
+        extra = [t for t in (self.scales if self.storage == "int4" else None, self.bias) if t is not None]
+        return self.in_features * self.row_bytes + sum(t.nbytes for t in extra)
 
     @property
     def touched_bytes(self) -> int:

@@ -85,14 +85,21 @@ def calibration_path(cache_dir: Path) -> Path:
     return Path(cache_dir) / "sparsity-thresholds.json"
 
 
+def _saved(cache_dir: Path) -> dict:
+    path = calibration_path(cache_dir)
+    data = json.loads(path.read_text()) if path.exists() else {}
+    return data if data.get("version") == VERSION else {}
+
+
+def is_calibrated(cache_dir: Path, sparsity: float) -> bool:
+    """Whether the model's cache dir holds thresholds for `sparsity` (load_or_calibrate will not run the model)."""
+    return str(float(sparsity)) in _saved(cache_dir).get("levels", {})
+
+
 def load_or_calibrate(llm, sparsity: float, force: bool = False) -> dict[str, float]:
     """Thresholds for `sparsity`, from the model's cache dir, or calibrated now (and saved)."""
     path = calibration_path(llm.files.cache_dir)
-    data = {}
-    if path.exists() and not force:
-        data = json.loads(path.read_text())
-        if data.get("version") != VERSION:
-            data = {}
+    data = {} if force else _saved(llm.files.cache_dir)
     key = str(float(sparsity))
     if key not in data.get("levels", {}):
         t0 = time.perf_counter()

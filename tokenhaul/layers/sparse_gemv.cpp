@@ -1,10 +1,12 @@
 // Gathered GEMV for activation sparsity (tokenhaul/layers/linear_sparse.py): y[m] = Σ_{|x[m,i]| ≥ t} x[m,i]·W[i,:]
 // over a weight stored by input channel, in one call: the kept inputs are found here and only their rows are
-// read. Threads split the output columns (no partial sums to add up); each thread walks its columns in tiles
-// that stay in L1, reading the kept rows' slices of a tile four rows per pass over the fp32 accumulator, the
-// slices a few rows ahead prefetched (kept rows are scattered: a hardware prefetcher sees only short runs).
-// Storage: "int8" [K, N] uint8 codes + [K, 2] fp32 (scale, offset) per input channel; "bf16" [K, N];
-// "int4" [K, N / 2] codes (per 16 columns 8 bytes: byte b = q[b] | q[b + 8] << 4) + [K / G, 2, N] bf16
+// read. The weight is stored in column parts, [P, K, w columns]: a part's slices of every input row lie
+// together, so the kept rows of a part are read nearly in memory order (with one [K, N] matrix a part's
+// slices lay a whole row apart: short scattered reads). Threads take parts (no partial sums to add up); the
+// fp32 accumulator of a part (<= TILE columns) stays in L1, four kept rows per pass over it, the slices a few
+// rows ahead prefetched.
+// Storage: "int8" [P, K, w] uint8 codes + [K, 2] fp32 (scale, offset) per input channel; "bf16" [P, K, w];
+// "int4" [P, K, w / 2] codes (per 16 columns 8 bytes: byte b = q[b] | q[b + 8] << 4) + [K / G, 2, N] bf16
 // (scale, zero) per (group of G input channels, column), Int4Linear's own: a skipped channel's codes are never
 // read (a group's scales are, when any of its channels is kept). kept[0] += kept channels, kept[1] += groups read.
 #include <torch/extension.h>
@@ -23,11 +25,10 @@
 namespace {
 
 enum Kind { BF16 = 0, INT8 = 1, INT4 = 2 };
-constexpr int64_t TILE = 1024;  // output columns per tile (fp32 accumulator: 4 KB)
+constexpr int64_t TILE = 1024;  // most output columns per part (fp32 accumulator: 4 KB)
 // kept rows whose slices are prefetched ahead, into L2 (all 121 SmolLM2 projections, 2 threads, int8 / bf16
 // dense ÷ gathered time: into L1 8 ahead 1.24 / 1.46, into L2 8 ahead 1.49 / 1.90, 16 ahead 1.56 / 1.93)
 constexpr int64_t AHEAD = 16;
-constexpr int64_t MIN_WIDTH = 256;  // narrower outputs run on fewer threads
 
 inline float bf16_to_float(uint16_t h) { return c10::BFloat16(h, c10::BFloat16::from_bits()); }  // torch's own
 
@@ -144,13 +145,13 @@ inline void pass(const uint8_t* const* r, const float* w, int64_t n, float* acc)
     for (int q = 0; q < R; ++q) acc[c] += w[q] * scalar_at(r[q], c, K);
 }
 
-// acc[0, n) += Σ_j w[j] · row_j[c0, c0 + n) over kept entries [j0, j1), four rows per pass; the slices of the
-// kept rows AHEAD entries on (up to the last kept row, across int4 groups) are prefetched
+// acc[0, n) += Σ_j w[j] · row_j[0, n) over kept entries [j0, j1) of a part (its rows `row_bytes` apart), four
+// rows per pass; the slices of the kept rows AHEAD entries on (up to the last kept row, across int4 groups) are
+// prefetched
 template <Kind K>
-void rows_into(const uint8_t* W, int64_t row_bytes, const Kept& k, int64_t j0, int64_t j1, int64_t c0,
-               int64_t n, float* acc) {
+void rows_into(const uint8_t* base, int64_t row_bytes, const Kept& k, int64_t j0, int64_t j1, int64_t n,
+               float* acc) {
   constexpr int64_t num = K == BF16 ? 2 : 1, den = K == INT4 ? 2 : 1;  // bytes per column = num / den
-  const uint8_t* base = W + c0 * num / den;
   const int64_t slice = n * num / den, last = static_cast<int64_t>(k.idx.size());
   auto row = [&](int64_t j) { return base + static_cast<int64_t>(k.idx[j]) * row_bytes; };
   if (j0 == 0 || K != INT4)
@@ -176,13 +177,13 @@ void rows_into(const uint8_t* W, int64_t row_bytes, const Kept& k, int64_t j0, i
   if (j1 - j == 1) pass<K, 1>(r, k.w.data() + j, n, acc);
 }
 
-// columns [c0, c0 + n) of one output row (n <= TILE)
+// columns [c0, c0 + n) of one output row (n <= TILE), read from their part W (rows `row_bytes` apart)
 template <Kind K>
 void tile(const uint8_t* W, int64_t row_bytes, const void* sz, int64_t N, const Kept& k, int64_t c0, int64_t n,
           float* out) {
   std::fill(out, out + n, 0.f);
   if constexpr (K != INT4) {
-    rows_into<K>(W, row_bytes, k, 0, static_cast<int64_t>(k.idx.size()), c0, n, out);
+    rows_into<K>(W, row_bytes, k, 0, static_cast<int64_t>(k.idx.size()), n, out);
   } else {
     // value = (q - 8) · scale + zero (Int4Linear's): y[c] = Σ_g scale[g, c] · (Σ_{i in g} x_i q_i[c] - 8 Σ_{i in g}
     // x_i) + zero[g, c] · Σ_{i in g} x_i
@@ -192,7 +193,7 @@ void tile(const uint8_t* W, int64_t row_bytes, const void* sz, int64_t N, const 
       const int32_t j1 = k.group_end[g];
       if (j1 == j0) continue;
       std::fill(part, part + n, 0.f);
-      rows_into<K>(W, row_bytes, k, j0, j1, c0, n, part);
+      rows_into<K>(W, row_bytes, k, j0, j1, n, part);
       const uint16_t* s = static_cast<const uint16_t*>(sz) + static_cast<int64_t>(g) * 2 * N + c0;  // bf16
       const uint16_t* o = s + N;
       const float xs = k.group_sum[g];
@@ -213,40 +214,38 @@ void tile(const uint8_t* W, int64_t row_bytes, const void* sz, int64_t N, const 
   }
 }
 
+// parts [P][K][row_bytes] of `width` columns each (the last may be partly padding)
 template <Kind K>
-void run(const std::vector<Kept>& kept, const uint8_t* W, int64_t row_bytes, const void* sz, int64_t N,
-         float* Y) {
+void run(const std::vector<Kept>& kept, const uint8_t* W, int64_t parts, int64_t K_in, int64_t row_bytes,
+         int64_t width, const void* sz, int64_t N, float* Y) {
   const int64_t M = static_cast<int64_t>(kept.size());
-  const int64_t tiles = (N + TILE - 1) / TILE;
-  const int64_t T = std::max<int64_t>(1, at::get_num_threads());
-  // tiles, or for a narrow output one column range per thread (multiples of 16 columns)
-  const int64_t parts = tiles >= T ? tiles : std::min<int64_t>(T, std::max<int64_t>(1, N / MIN_WIDTH));
-  const int64_t width = (((N + parts - 1) / parts) + 15) / 16 * 16;
   at::parallel_for(0, M * parts, 1, [&](int64_t begin, int64_t end) {
     for (int64_t task = begin; task < end; ++task) {
-      const int64_t m = task / parts, c0 = (task % parts) * width, n = std::min(width, N - c0);
-      if (n > 0) tile<K>(W, row_bytes, sz, N, kept[m], c0, n, Y + m * N + c0);
+      const int64_t m = task / parts, p = task % parts, c0 = p * width, n = std::min(width, N - c0);
+      if (n > 0) tile<K>(W + p * K_in * row_bytes, row_bytes, sz, N, kept[m], c0, n, Y + m * N + c0);
     }
   });
 }
 
 }  // namespace
 
-// x [M, K] fp32 or bf16 (contiguous); rows and scales as above (int8 [K, 2] fp32, int4 [K / G, 2, N] bf16,
-// bf16 none); kept [2] int64 gets the kept channels (and int4 groups read) of all M rows added. Returns
-// y [M, N] in x's dtype (bias added when given).
+// x [M, K] fp32 or bf16 (contiguous); rows [P, K, ...] and scales as above (int8 [K, 2] fp32, int4 [K / G, 2, N]
+// bf16, bf16 none: the scales name the storage); kept [2] int64 gets the kept channels (and int4 groups read) of
+// all M rows added. Returns y [M, N] in x's dtype (bias added when given).
 at::Tensor sparse_gemv(const at::Tensor& x, double threshold, const at::Tensor& rows,
                        const c10::optional<at::Tensor>& scales, int64_t out_features, int64_t group,
                        const c10::optional<at::Tensor>& bias, at::Tensor kept_count) {
   TORCH_CHECK(x.is_contiguous() && x.dim() == 2 && (x.dtype() == at::kFloat || x.dtype() == at::kBFloat16),
               "x: contiguous fp32 or bf16 [M, K]");
-  TORCH_CHECK(rows.is_contiguous() && rows.size(0) == x.size(1), "rows: contiguous [K, ...]");
+  TORCH_CHECK(rows.is_contiguous() && rows.dim() == 3 && rows.size(1) == x.size(1), "rows: contiguous [P, K, ...]");
   TORCH_CHECK(kept_count.dtype() == at::kLong && kept_count.numel() == 2 && kept_count.is_contiguous(),
               "kept: int64 [2]");
   const int64_t M = x.size(0), K = x.size(1), N = out_features;
-  const Kind kind = rows.dtype() == at::kBFloat16 ? BF16 : (rows.size(1) == N ? INT8 : INT4);
-  TORCH_CHECK(rows.size(1) == (kind == INT4 ? N / 2 : N) && (kind == BF16 || rows.dtype() == at::kByte),
-              "rows: [K, N] bf16 or uint8, or [K, N / 2] uint8 (int4)");
+  const Kind kind = !scales.has_value() ? BF16 : (scales->dtype() == at::kFloat ? INT8 : INT4);
+  const int64_t parts = rows.size(0), width = kind == INT4 ? 2 * rows.size(2) : rows.size(2);
+  TORCH_CHECK(rows.dtype() == (kind == BF16 ? at::kBFloat16 : at::kByte) && width % 16 == 0 &&
+                  parts * width >= N && (parts - 1) * width < N,
+              "rows: [P, K, w] bf16 or uint8, or [P, K, w / 2] uint8 (int4), w % 16 == 0, P parts covering N");
   TORCH_CHECK(kind != INT4 || (N % 16 == 0 && group > 0 && K % group == 0), "int4: N % 16 == 0, K % group == 0");
   const void* sz = nullptr;
   if (kind == INT8) {
@@ -276,11 +275,11 @@ at::Tensor sparse_gemv(const at::Tensor& x, double threshold, const at::Tensor& 
   counts[1] += groups;
   at::Tensor y = at::empty({M, N}, x.options().dtype(at::kFloat));
   const uint8_t* W = static_cast<const uint8_t*>(rows.data_ptr());
-  const int64_t row_bytes = rows.size(1) * rows.element_size();
+  const int64_t row_bytes = rows.size(2) * rows.element_size();
   float* Y = y.data_ptr<float>();
-  if (kind == INT8) run<INT8>(kept, W, row_bytes, sz, N, Y);
-  else if (kind == BF16) run<BF16>(kept, W, row_bytes, sz, N, Y);
-  else run<INT4>(kept, W, row_bytes, sz, N, Y);
+  if (kind == INT8) run<INT8>(kept, W, parts, K, row_bytes, width, sz, N, Y);
+  else if (kind == BF16) run<BF16>(kept, W, parts, K, row_bytes, width, sz, N, Y);
+  else run<INT4>(kept, W, parts, K, row_bytes, width, sz, N, Y);
   if (kind == INT8)
     for (int64_t m = 0; m < M; ++m) {
       float* out = Y + m * N;
