@@ -69,10 +69,11 @@ class Linear:
         return y if self.bias is None else y.add_(self.bias)
 
 
-def bf16_gemm_is_fast(device: torch.device) -> bool:
-    """Whether a many-row bf16 GEMM runs at GEMM speed here: on CUDA, and on CPUs with oneDNN's bf16 path
-    (AVX-512). With AVX2 only, torch 2.13's bf16 GEMM is a fallback loop (2 cores of a Zen 3 host: `F.linear`
-    14 GFLOP/s, `x @ w` 0.7, fp32 88; bench/RESULTS.md "bf16 GEMMs on AVX2"), so many rows compute in fp32."""
+def low_precision_gemm_is_fast(device: torch.device) -> bool:
+    """Whether many-row bf16 and int8 GEMMs run at GEMM speed here: on CUDA, and on CPUs with oneDNN's bf16 path
+    (AVX-512). With AVX2 only, torch 2.13 runs both as fallback loops (2 cores of a Zen 3 host: bf16 `F.linear`
+    14 GFLOP/s, `x @ w` 0.7, fp32 88; `_int_mm` 995 ms for SmolLM2's 120 layer GEMMs at 8 rows, int8pack 15 at
+    4; bench/RESULTS.md "AVX2 hosts"), so many rows compute in fp32."""
     return device.type != "cpu" or bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
 
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from tokenhaul.layers.linear import FP32_GEMM_ROWS, Linear, Part, bf16_gemm_is_fast, dequantize_part, register
+from tokenhaul.layers.linear import FP32_GEMM_ROWS, Linear, Part, dequantize_part, low_precision_gemm_is_fast, register
 
 
 @register("dense")
@@ -20,7 +20,7 @@ class DenseLinear(Linear):
         self.in_features, self.out_features = weight.shape if transposed else weight.shape[::-1]
         self.weight = weight
         self.bias = bias
-        self.widen = weight.dtype == torch.bfloat16 and not bf16_gemm_is_fast(weight.device)
+        self.widen = weight.dtype == torch.bfloat16 and not low_precision_gemm_is_fast(weight.device)
 
     @classmethod
     def build(cls, parts: list[Part], bias, dtype, device, group=None) -> DenseLinear:

@@ -10,7 +10,7 @@ import torch.nn.functional as F
 
 from tokenhaul.layers import int4_dequant, int4_gemv
 from tokenhaul.layers.gguf_weight import GGUFWeight
-from tokenhaul.layers.linear import Linear, Part, bf16_gemm_is_fast, dequantize_part, register
+from tokenhaul.layers.linear import Linear, Part, dequantize_part, low_precision_gemm_is_fast, register
 
 PAD_N = 64  # rows are padded to a multiple of every block size below
 
@@ -79,7 +79,7 @@ class Int4Linear(Linear):
         self.out_features, self.in_features = out_features, in_features
         self.bias = bias
         self.cuda = weight.device.type == "cuda"
-        self.widen = not bf16_gemm_is_fast(weight.device)  # the many-row GEMM in fp32 (see bf16_gemm_is_fast)
+        self.widen = not low_precision_gemm_is_fast(weight.device)  # the many-row GEMM in fp32 (see there)
         if not self.cuda and not int4_dequant.available():
             self.max_rows = self.max_rows_fallback
         if self.cuda or not int4_gemv.available():

@@ -1,8 +1,9 @@
 """8-bit per-channel weights (symmetric, one scale per row). One row (decode), or a few narrow ones, runs the
 C++ kernel `tokenhaul_int8::gemv` (layers/int8_gemv.py: 1.2-2.3x `_weight_int8pack_mm`), other few-row cases
 `_weight_int8pack_mm` (bf16 activations); more rows quantize each activation row on the fly and run the integer
-GEMM `torch._int_mm` (int8 x int8, exact int32 sums), which on this CPU is 1.5-6x the packed kernel from 8 rows on
-and still 2x a bf16 GEMM at 512 rows (bench/linear_kernels.py, bench/RESULTS.md "Speed run 3").
+GEMM `torch._int_mm` (int8 x int8, exact int32 sums), which on AVX-512 hosts is 1.5-6x the packed kernel from
+8 rows on and still 2x a bf16 GEMM at 512 rows (bench/linear_kernels.py, bench/RESULTS.md "Speed run 3"); on
+AVX2-only hosts `_int_mm` is a slow loop, and many rows run one fp32 GEMM on the dequantized weight instead.
 
 Each activation row goes in as two int8 rows, hi + lo / 254 (16 bits: the product matches bf16 activations
 times the int8 weight to ~3e-5 relative). One int8 row (8 bits) would be 1.2-2x faster again but costs
@@ -13,7 +14,7 @@ from __future__ import annotations
 import torch
 
 from tokenhaul.layers import int8_gemv
-from tokenhaul.layers.linear import Linear, Part, dequantize_part, register
+from tokenhaul.layers.linear import FP32_GEMM_ROWS, Linear, Part, dequantize_part, low_precision_gemm_is_fast, register
 
 
 def quantize_rows(x: torch.Tensor, split: bool) -> tuple[torch.Tensor, torch.Tensor]:
@@ -39,7 +40,7 @@ class Int8Linear(Linear):
     def gemv_rows(m: int, k: int) -> bool:
         """The C++ GEMV beats int8pack at one row, and at a few rows while M * K int16 activations stay in L1
         (measured, 2 threads: 1.2-2.5x at 2-4 rows of 576-896 inputs; 1.0x and 0.8x at 2 and 4 rows of 4864)."""
-        return m == 1 or m * k <= 4096
+        return m == 1 or (m <= int8_gemv.MAX_ROWS and m * k <= 4096)
 
     def __init__(self, weight: torch.Tensor, scales: torch.Tensor, bias: torch.Tensor | None) -> None:
         self.weight = weight  # int8 [out, in]
@@ -48,6 +49,9 @@ class Int8Linear(Linear):
         self.out_features, self.in_features = weight.shape
         self.bias = bias
         self.cuda = weight.device.type == "cuda"
+        self.widen = not low_precision_gemm_is_fast(weight.device)  # many rows: fp32 (see that function)
+        if self.widen:  # int8pack up to where the fp32 GEMM (and its copy of the weight) pays
+            self.packed_rows = FP32_GEMM_ROWS - 1
         self.gemv = not self.cuda and int8_gemv.available()
 
     @classmethod
@@ -68,6 +72,8 @@ class Int8Linear(Linear):
             y = torch.ops.tokenhaul_int8.gemv(x, self.weight, self.scales)
         elif self.cuda or m <= self.packed_rows:
             y = torch.ops.aten._weight_int8pack_mm(x.to(torch.bfloat16), self.weight, self.scales)
+        elif self.widen:  # no fast int8 GEMM here: one fp32 copy of the weight and an fp32 GEMM
+            y = torch.nn.functional.linear(x.float(), self.dequantize(torch.float32))
         else:
             xq, xs = quantize_rows(x, split=True)
             hi_lo = torch._int_mm(xq, self.weight_t)  # int32 [2m, out]; only the hi half becomes a float copy

@@ -20,7 +20,7 @@ from pathlib import Path
 import torch
 
 from tokenhaul import native
-from tokenhaul.layers.linear import Linear, bf16_gemm_is_fast, register
+from tokenhaul.layers.linear import Linear, low_precision_gemm_is_fast, register
 
 # Rows at or under which the gathered kernel runs: bf16 rows for batch-1 and batch-2 steps, packed rows (int8, int4)
 # for batch-1 decodes only. Set from the serial kernel's table (bench/bytes.py, 2026-11-30); the parallel kernel's
@@ -130,7 +130,7 @@ class SparseLinear(Linear):
         self.dense_bytes += self.weight_bytes
         if self.packed is not None:
             return self.packed(xz)
-        dtype = torch.float32 if not bf16_gemm_is_fast(x.device) else self.rows.dtype
+        dtype = torch.float32 if not low_precision_gemm_is_fast(x.device) else self.rows.dtype
         y = (xz.to(dtype) @ self.rows.to(dtype)).transpose(0, 1).reshape(x.shape[0], -1)[:, :self.out_features]
         return self._add_bias(y.float()).to(x.dtype)
 
