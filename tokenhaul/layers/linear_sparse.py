@@ -97,6 +97,7 @@ class SparseLinear(Linear):
         self.packed = packed  # the wrapped packed linear: the dense pass for steps over max_rows
         self.kept = torch.zeros(2, dtype=torch.long)  # the kernel's own count: kept channels, int4 groups read
         self.dense_bytes = 0
+        self.widen = not low_precision_gemm_is_fast(rows.device)  # the dense pass in fp32 (see there)
         self.fused = (storage != "dense" or rows.dtype == torch.bfloat16) and native.load(
             SOURCE, "sparse GEMVs run as several torch ops instead (slower)", {"tokenhaul_sparse::gemv": _fake},
             parallel=True)
@@ -130,7 +131,7 @@ class SparseLinear(Linear):
         self.dense_bytes += self.weight_bytes
         if self.packed is not None:
             return self.packed(xz)
-        dtype = torch.float32 if not low_precision_gemm_is_fast(x.device) else self.rows.dtype
+        dtype = torch.float32 if self.widen else self.rows.dtype
         y = (xz.to(dtype) @ self.rows.to(dtype)).transpose(0, 1).reshape(x.shape[0], -1)[:, :self.out_features]
         return self._add_bias(y.float()).to(x.dtype)
 
