@@ -20,6 +20,6 @@ run: install
 test: .venv/.installed
 	for m in $(TEST_MODELS); do $(TH) models install $$m || exit 1; done
 	$(PY) -m ruff check tokenhaul tests bench
-	$(PY) -m pytest -q
+	$(PY) -m pytest -v --durations=25
 
 .PHONY: install run test
