@@ -6,10 +6,10 @@ import time
 
 import pytest
 
-from tokenhaul.errors import ModelError, RequestError
+from tokenhaul.errors import RequestError
 from tokenhaul.models.catalog import is_installed, resolve
 from tokenhaul.text import tokenizer as tokenizer_mod
-from tokenhaul.text.tokenizer import Tokenizer, read_gguf_fields
+from tokenhaul.text.tokenizer import Tokenizer
 
 TEXTS = [
     "Hello world",
@@ -59,28 +59,6 @@ def test_tiny_sandboxed_template(tiny_factory) -> None:
 def test_no_template_is_a_request_error(tiny: Tokenizer) -> None:
     with pytest.raises(RequestError, match="model tiny has no chat template"):
         tiny.apply_chat_template([{"role": "user", "content": "hi"}])
-
-
-def test_not_a_gguf(tmp_path) -> None:
-    bad = tmp_path / "x.gguf"
-    bad.write_bytes(b"NOPE" + bytes(40))
-    with pytest.raises(ModelError):
-        read_gguf_fields(bad, {"tokenizer.ggml.bos_token_id"})
-
-
-@pytest.mark.real_model
-def test_gguf_fields_match_gguf_reader() -> None:
-    if not is_installed("smollm2-135m"):
-        pytest.skip("smollm2-135m not installed")
-    from gguf import GGUFReader
-
-    path = resolve("smollm2-135m").gguf_path
-    reader = GGUFReader(path)
-    keys = {k for k, f in reader.fields.items() if len(f.types) == 1 and not k.startswith("GGUF.")}
-    ours = read_gguf_fields(path, keys)
-    assert ours.keys() == keys
-    for k in keys:
-        assert ours[k] == pytest.approx(reader.fields[k].contents()), k
 
 
 @pytest.mark.real_model

@@ -7,36 +7,22 @@ from pathlib import Path
 
 import numpy as np
 import torch
-from gguf import GGUFReader, GGUFValueType
 
-from tokenhaul.errors import ModelError
 from tokenhaul.layers.gguf_weight import GGUFWeight, from_reader_tensor
 from tokenhaul.models.config import ModelConfig, config_from_metadata
+from tokenhaul.models.gguf_file import GGUFFile
 
 _SKIP_FIELDS = ("tokenizer.ggml.tokens", "tokenizer.ggml.scores", "tokenizer.ggml.token_type",
                 "tokenizer.ggml.merges")
 
 
-def open_gguf(path: Path) -> GGUFReader:
-    try:
-        return GGUFReader(str(path))
-    except Exception as e:  # gguf raises ValueError/struct errors on foreign files
-        raise ModelError(f"{path} is not a readable GGUF file: {e}") from None
+def open_gguf(path: Path) -> GGUFFile:
+    return GGUFFile(path)
 
 
-def read_metadata(reader: GGUFReader) -> dict:
-    """Scalar and string metadata (large tokenizer arrays skipped)."""
-    meta: dict = {}
-    for key, field in reader.fields.items():
-        if key in _SKIP_FIELDS:
-            continue
-        if field.types and field.types[0] == GGUFValueType.ARRAY and len(field.data) > 1024:
-            continue
-        try:
-            meta[key] = field.contents()
-        except Exception:  # noqa: BLE001 - exotic field types are not needed
-            continue
-    return meta
+def read_metadata(reader: GGUFFile) -> dict:
+    """Scalar, string and short-array metadata (tokenizer arrays skipped)."""
+    return {k: v for k, v in reader.metadata.items() if k not in _SKIP_FIELDS}
 
 
 def rope_permutation(rows: int, n_head: int) -> np.ndarray:

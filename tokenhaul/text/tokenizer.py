@@ -4,9 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import json
-import mmap
 import os
-import struct
 from collections.abc import Iterator
 from dataclasses import asdict, dataclass
 from datetime import datetime
@@ -14,12 +12,12 @@ from pathlib import Path
 from typing import Any
 
 import jinja2
-from gguf import GGUFValueType
 from jinja2.ext import loopcontrols
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 from tokenizers import Tokenizer as Backend
 
 from tokenhaul.errors import ModelError, RequestError
+from tokenhaul.models.gguf_file import GGUFFile
 
 META_VERSION = 1
 END_OF_TURN_TOKENS = ("<|im_end|>", "<end_of_turn>", "<|endoftext|>", "<|eot_id|>", "<|eom_id|>")
@@ -32,59 +30,6 @@ _GGUF_KEYS = {
     "add_eos": "tokenizer.ggml.add_eos_token",
     "template": "tokenizer.chat_template",
 }
-_T = GGUFValueType
-_SCALARS = {
-    _T.UINT8: "B",
-    _T.INT8: "b",
-    _T.UINT16: "H",
-    _T.INT16: "h",
-    _T.UINT32: "I",
-    _T.INT32: "i",
-    _T.FLOAT32: "f",
-    _T.BOOL: "?",
-    _T.UINT64: "Q",
-    _T.INT64: "q",
-    _T.FLOAT64: "d",
-}
-
-
-def read_gguf_fields(path: Path, keys: set[str]) -> dict[str, Any]:
-    """Scalar and string metadata of a GGUF, arrays skipped, tensors never read (ms, not GGUFReader's s)."""
-    out: dict[str, Any] = {}
-    with path.open("rb") as f, mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as m:
-        magic, version, _, n_kv = struct.unpack_from("<4sIQQ", m, 0)
-        if magic != b"GGUF" or version not in (2, 3):
-            raise ModelError(f"{path}: not a little-endian GGUF v2/v3 file")
-        offs = 24
-
-        def string(o: int) -> tuple[str, int]:
-            (n,) = struct.unpack_from("<Q", m, o)
-            return m[o + 8 : o + 8 + n].decode("utf-8", errors="replace"), o + 8 + n
-
-        for _ in range(n_kv):
-            key, offs = string(offs)
-            (kind,) = struct.unpack_from("<I", m, offs)
-            offs += 4
-            if kind == GGUFValueType.STRING:
-                value, offs = string(offs)
-            elif kind == GGUFValueType.ARRAY:
-                elem, count = struct.unpack_from("<IQ", m, offs)
-                offs += 12
-                if elem == GGUFValueType.STRING:
-                    for _ in range(count):
-                        offs += 8 + struct.unpack_from("<Q", m, offs)[0]
-                else:
-                    offs += count * struct.calcsize(_SCALARS[GGUFValueType(elem)])
-                continue
-            else:
-                fmt = "<" + _SCALARS[GGUFValueType(kind)]
-                (value,) = struct.unpack_from(fmt, m, offs)
-                offs += struct.calcsize(fmt)
-            if key in keys:
-                out[key] = value
-    return out
-
-
 @dataclass(frozen=True)
 class TokenizerMeta:
     """What the GGUF says beyond the vocabulary; cached beside tokenizer.json."""
@@ -225,7 +170,7 @@ def _offline() -> Iterator[None]:
 
 def _build(gguf_path: Path, source: dict[str, int]) -> tuple[Backend, TokenizerMeta]:
     """The slow path (seconds): transformers converts the GGUF vocabulary to a fast tokenizer."""
-    fields = read_gguf_fields(gguf_path, set(_GGUF_KEYS.values()))
+    fields = GGUFFile(gguf_path, tensors=False).metadata
     get = {k: fields.get(key) for k, key in _GGUF_KEYS.items()}
     with _offline():
         from transformers import AutoTokenizer
