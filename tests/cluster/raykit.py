@@ -55,7 +55,11 @@ class RayNodes:
                 f"print(sum(x['Alive'] for x in ray.nodes()))")
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
-            out = subprocess.run([sys.executable, "-c", code], env=self.env, capture_output=True, text=True)
+            try:  # ray.init can wait on an unreachable head forever: each probe has its own limit
+                out = subprocess.run([sys.executable, "-c", code], env=self.env, capture_output=True, text=True,
+                                     timeout=max(1.0, min(60.0, deadline - time.monotonic())))
+            except subprocess.TimeoutExpired:
+                continue
             if out.returncode == 0 and out.stdout.strip().splitlines()[-1:] == [str(n)]:
                 return
             time.sleep(1.0)
