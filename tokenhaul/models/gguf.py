@@ -16,10 +16,6 @@ _SKIP_FIELDS = ("tokenizer.ggml.tokens", "tokenizer.ggml.scores", "tokenizer.ggm
                 "tokenizer.ggml.merges")
 
 
-def open_gguf(path: Path) -> GGUFFile:
-    return GGUFFile(path)
-
-
 def read_metadata(reader: GGUFFile) -> dict:
     """Scalar, string and short-array metadata (tokenizer arrays skipped)."""
     return {k: v for k, v in reader.metadata.items() if k not in _SKIP_FIELDS}
@@ -32,7 +28,7 @@ def rope_permutation(rows: int, n_head: int) -> np.ndarray:
 
 def load_gguf(path: Path) -> tuple[ModelConfig, dict[str, GGUFWeight | torch.Tensor]]:
     """Read config and every tensor as stored (memory-mapped, nothing dequantized); names stay GGUF names."""
-    reader = open_gguf(path)
+    reader = GGUFFile(path)
     names = {t.name for t in reader.tensors}
     config = config_from_metadata(read_metadata(reader), names)
     tensors: dict[str, GGUFWeight | torch.Tensor] = {}

@@ -17,6 +17,7 @@ from gguf import GGML_QUANT_SIZES, GGMLQuantizationType, GGUFValueType
 from tokenhaul.errors import ModelError
 
 MAX_ARRAY = 1024  # arrays longer than this are skipped (tokenizer vocabularies, scores, merges)
+_SKIPPED = object()  # what a skipped array reads as
 _T = GGUFValueType
 _SCALARS = {_T.UINT8: "B", _T.INT8: "b", _T.UINT16: "H", _T.INT16: "h", _T.UINT32: "I", _T.INT32: "i",
             _T.FLOAT32: "f", _T.BOOL: "?", _T.UINT64: "Q", _T.INT64: "q", _T.FLOAT64: "d"}
@@ -119,5 +120,3 @@ class GGUFFile:
             out.append(GGUFTensor(name, qtype, dims, data))
         return out
 
-
-_SKIPPED = object()

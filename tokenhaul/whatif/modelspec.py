@@ -56,10 +56,11 @@ def load_model_config(spec: str) -> tuple[str, ModelConfig]:
         return cfg.get("_name_or_path") or path.parent.name, config_from_hf(cfg)
     from tokenhaul.models import catalog
     from tokenhaul.models.config import config_from_metadata
-    from tokenhaul.models.gguf import open_gguf, read_metadata
+    from tokenhaul.models.gguf import read_metadata
+    from tokenhaul.models.gguf_file import GGUFFile
 
     files = catalog.resolve(spec)
-    reader = open_gguf(files.gguf_path)  # memory-mapped: metadata only, no tensor is read
+    reader = GGUFFile(files.gguf_path)  # memory-mapped: metadata only, no tensor is read
     cfg = config_from_metadata(read_metadata(reader), {t.name for t in reader.tensors})
     if not cfg.vocab_size:  # no `<arch>.vocab_size` key and the token list was skipped: the embedding's rows
         embd = next(t for t in reader.tensors if t.name == "token_embd.weight")
