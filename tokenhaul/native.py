@@ -1,10 +1,14 @@
 """The engine's small C++ ops (kv/int8_attention.cpp, layers/sparse_gemv.cpp, layers/int4_dequant.cpp): built
 on first use with torch.utils.cpp_extension (~25 s on 2 cores, g++ and torch's headers), cached per machine in
 TORCH_EXTENSIONS_DIR, registered as torch ops (so a compiled graph can call them). Without a compiler the
-callers keep their pure-torch path; one stderr line says so."""
+callers keep their pure-torch path; one stderr line says so.
+
+torch guards a build with a `lock` file that a killed build leaves behind, and every later build then waits on
+it forever; builds here hold an flock instead (the kernel drops it with its process) and clear such a file."""
 
 from __future__ import annotations
 
+import fcntl
 import os
 import sys
 from collections.abc import Callable
@@ -22,19 +26,38 @@ def _flags() -> tuple[str, list[str]]:
     return "generic", ["-O3"]
 
 
+def _build_dir(name: str) -> Path:
+    """One folder per op, Python and torch build (a .so built against another torch must not be loaded)."""
+    from torch.utils.cpp_extension import get_default_build_root
+
+    root = Path(os.environ.get("TORCH_EXTENSIONS_DIR") or get_default_build_root())
+    tag = f"py{sys.version_info.major}{sys.version_info.minor}-torch{torch.__version__}"
+    return root / f"tokenhaul-{tag}" / name
+
+
+def _build(name: str, source: Path, flags: list[str]) -> None:
+    """Build and load under an flock on the build folder; a `lock` left by a killed torch build is removed."""
+    from torch.utils.cpp_extension import load as build
+
+    folder = _build_dir(name)
+    folder.mkdir(parents=True, exist_ok=True)
+    with open(folder.with_name(name + ".flock"), "w") as guard:
+        fcntl.flock(guard, fcntl.LOCK_EX)  # released when this process ends, however it ends
+        (folder / "lock").unlink(missing_ok=True)  # only builds holding the flock create it: this one is stale
+        build(name, [str(source)], extra_cflags=flags, is_python_module=False, build_directory=str(folder),
+              verbose=bool(os.environ.get("TOKENHAUL_VERBOSE_BUILD")))
+
+
 def load(source: Path, slower: str, fakes: dict[str, Callable] | None = None, parallel: bool = False) -> bool:
     """Build and load `source` once per process, registering `fakes` (op name → shape function, for
     torch.compile); False (and `slower`, the fallback's cost, on stderr) if not. `parallel` compiles with
     -fopenmp: at::parallel_for is inline in torch's headers and runs serially in a build without it (the
     OpenMP calls resolve to torch's own libgomp, so its thread pool is shared)."""
     if source not in _loaded:
-        from torch.utils.cpp_extension import load as build
-
         flavour, flags = _flags()
         flags = flags + ["-fopenmp"] if parallel else flags
         try:
-            build(f"tokenhaul_{source.stem}_{flavour}", [str(source)], extra_cflags=flags, is_python_module=False,
-                  verbose=bool(os.environ.get("TOKENHAUL_VERBOSE_BUILD")))
+            _build(f"tokenhaul_{source.stem}_{flavour}", source, flags)
             for op, fn in (fakes or {}).items():
                 torch.library.register_fake(op, fn)
             _loaded[source] = True

@@ -1,0 +1,52 @@
+"""tokenhaul/native.py: a `lock` file left by a killed torch build must not make the next build wait forever."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch.utils.cpp_extension
+
+from tokenhaul import native
+
+
+def test_stale_torch_lock_is_cleared_before_building(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("TORCH_EXTENSIONS_DIR", str(tmp_path))
+    folder = native._build_dir("tokenhaul_probe")
+    folder.mkdir(parents=True)
+    (folder / "lock").touch()  # what a build killed mid-compile leaves behind
+    seen = {}
+
+    def fake_build(name, sources, build_directory, **kw):
+        seen.update(name=name, lock=(Path(build_directory) / "lock").exists(), folder=build_directory)
+
+    monkeypatch.setattr(torch.utils.cpp_extension, "load", fake_build)
+    native._build("tokenhaul_probe", tmp_path / "probe.cpp", ["-O3"])
+    assert seen == {"name": "tokenhaul_probe", "lock": False, "folder": str(folder)}
+    assert folder.parent == tmp_path / folder.parent.name and "torch" in folder.parent.name
+
+
+def test_builds_wait_for_each_other_through_the_flock(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """While another process holds the build's flock, a build does not start (it waits for the kernel's lock)."""
+    import fcntl
+    import subprocess
+    import sys
+    import time
+
+    monkeypatch.setenv("TORCH_EXTENSIONS_DIR", str(tmp_path))
+    folder = native._build_dir("tokenhaul_probe")
+    folder.mkdir(parents=True)
+    guard = folder.with_name("tokenhaul_probe.flock")
+    holder = subprocess.Popen([sys.executable, "-c", f"import fcntl,sys,time; f=open({str(guard)!r},'w'); "
+                               "fcntl.flock(f, fcntl.LOCK_EX); print('held', flush=True); time.sleep(2)"],
+                              stdout=subprocess.PIPE, text=True)
+    assert holder.stdout.readline().strip() == "held"
+    started = []
+    monkeypatch.setattr(torch.utils.cpp_extension, "load", lambda *a, **k: started.append(time.monotonic()))
+    t0 = time.monotonic()
+    native._build("tokenhaul_probe", tmp_path / "probe.cpp", ["-O3"])
+    holder.wait(10)
+    assert started and holder.returncode == 0
+    with open(guard) as f:  # and the flock is free again once the build is done
+        fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    assert started[0] - t0 > 0.5
