@@ -47,8 +47,8 @@ def int4_gemv_table(rows: list[int]) -> None:
     from tokenhaul.layers import int4_gemv
 
     assert int4_gemv.available(), "int4_gemv.cpp did not build"
-    print("\n| int4 linear | rows | int4pack µs | GB/s | C++ GEMV µs | GB/s | int4pack ÷ GEMV |")
-    print("|---|---|---|---|---|---|---|")
+    print("\n| int4 linear | rows | int4pack µs | GB/s | C++ GEMV µs | GB/s | int4pack ÷ GEMV | GEMV fp32 x µs |")
+    print("|---|---|---|---|---|---|---|---|")
     ratios = {m: [] for m in rows}
     for layer, shapes in LAYERS.items():
         for (n, k), part in zip(shapes, ("qkv", "o", "gate_up", "down"), strict=True):
@@ -62,10 +62,14 @@ def int4_gemv_table(rows: list[int]) -> None:
                 gemv = [lambda lin=lin, x=x: torch.ops.tokenhaul_int4.gemv(x, lin.weight, lin.scales_zeros, 32,
                                                                             lin.block)
                         for lin in lins]
+                xf = x.float()  # fp32 activations: the FMA path (AVX2 bf16 activations take the 8-bit one)
+                wide = [lambda lin=lin, xf=xf: torch.ops.tokenhaul_int4.gemv(xf, lin.weight, lin.scales_zeros, 32,
+                                                                              lin.block) for lin in lins]
                 p, g = median_ms(pack, 9) / copies * 1e3, median_ms(gemv, 9) / copies * 1e3
+                f = median_ms(wide, 9) / copies * 1e3
                 ratios[m].append(p / g)
                 print(f"| {layer.split()[0]} {part} {n}×{k} | {m} | {p:.1f} | {nbytes / p / 1e3:.1f} | {g:.1f} | "
-                      f"{nbytes / g / 1e3:.1f} | {p / g:.2f}× |", flush=True)
+                      f"{nbytes / g / 1e3:.1f} | {p / g:.2f}× | {f:.1f} |", flush=True)
     for m, r in ratios.items():
         print(f"rows {m}: int4pack ÷ GEMV, geometric mean {statistics.geometric_mean(r):.2f}×")
 

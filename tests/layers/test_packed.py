@@ -142,8 +142,10 @@ def test_int4_gemv_matches_float_reference(n, k_groups, m, group, threads, seed)
     |error| <= 1e-4 * sum |x_i w_i| — fp32 rounding of per-group sums of codes, the low nibbles' sum taken as a
     difference of sums of bytes up to 255 (worst seen 1.3e-5); with bf16 activations and output, bf16 rounding
     (2^-8 relative) on top (on a CPU with AVX-512 BF16 bf16 activations take the bf16 dot-product path, fp32
-    ones the AVX2 path). Each row's result is the same whatever rows share the call; the thread count only moves
-    where blocks are split."""
+    ones the AVX2 path; without it bf16 activations of one or two rows are quantized to 8 bits per 16 inputs:
+    exact against those values, and within half a step per input of the bf16 ones). Each row's result is the
+    same whatever rows share the call (bf16: whatever rows of the same path); the thread count only moves where
+    blocks are split."""
     from tokenhaul.layers import int4_gemv
 
     assert int4_gemv.available()
@@ -167,8 +169,22 @@ def test_int4_gemv_matches_float_reference(n, k_groups, m, group, threads, seed)
     terms = x.double().abs() @ deq.abs().t()
     assert ((y32.double() - x.double() @ deq.t()).abs() <= 1e-4 * terms).all()
     ref16 = x.bfloat16().double() @ deq.t()
-    assert ((y16.double() - ref16).abs() <= 2 ** -8 * ref16.abs() + 1e-4 * terms).all()
+    if int4_gemv.eight_bit_activations(m):  # the kernel multiplies the 8-bit x: to fp32 rounding of that product,
+        xq = int4_gemv.quantize_activations(x.bfloat16()).double()
+        exact = xq @ deq.t()
+        assert ((y16.double() - exact).abs() <= 2 ** -8 * exact.abs() + 1e-4 * terms).all()
+        # and the rounding of x itself: each input off by at most half its block's step (max |x| / 254)
+        step = x.bfloat16().double().view(m, -1, int4_gemv.QBLOCK).abs().amax(-1, keepdim=True) / 254
+        slack = step.expand(m, k // int4_gemv.QBLOCK, int4_gemv.QBLOCK).reshape(m, k) @ deq.abs().t()
+        assert ((xq - x.bfloat16().double()).abs().view(m, -1, int4_gemv.QBLOCK) <= step * 1.0001).all()
+        assert ((y16.double() - ref16).abs() <= 2 ** -8 * exact.abs() + 1e-4 * terms + slack).all()
+    else:
+        assert ((y16.double() - ref16).abs() <= 2 ** -8 * ref16.abs() + 1e-4 * terms).all()
     assert torch.equal(torch.cat(rows), y32)
+    if int4_gemv.eight_bit_activations(1) == int4_gemv.eight_bit_activations(m):  # the same way for bf16 rows
+        rows16 = [torch.ops.tokenhaul_int4.gemv(x[i:i + 1].bfloat16(), lin.weight, lin.scales_zeros, group,
+                                                lin.block) for i in range(m)]
+        assert torch.equal(torch.cat(rows16)[:, :n], y16)
 
 
 def test_int4_linear_takes_the_gemv_at_few_rows(monkeypatch):
@@ -215,7 +231,7 @@ def test_int8_kernels_match_float_reference(n, k16, m, bias, seed):
 
 
 @settings(max_examples=25, deadline=None)
-@given(n=st.integers(1, 300), k=st.integers(1, 5000), m=st.integers(1, 8), bias=st.booleans(),
+@given(n=st.integers(1, 300), k=st.integers(1, 5000), m=st.integers(1, 20), bias=st.booleans(),
        seed=st.integers(0, 2**16))
 def test_int8_gemv_matches_float_reference(n, k, m, bias, seed):
     """The C++ few-row kernel against fp32 x @ dequant^T (+ b), for any width (SIMD body and scalar tail, int32
@@ -230,7 +246,7 @@ def test_int8_gemv_matches_float_reference(n, k, m, bias, seed):
     deq = lin.dequantize()
     x = torch.randn(m, k, generator=g).bfloat16()
     ref = x.float() @ deq.t() + (0 if b is None else b)
-    lin.gemv_rows = lambda m, k: True
+    lin.gemv_rows = lambda m: True
     y = lin(x).float()
     row_scale = x.float().abs().amax(1, keepdim=True) / 32767
     bound = row_scale / 2 * deq.abs().sum(1) * 1.001 + 1e-5 * (x.float().abs() @ deq.abs().t())
@@ -251,9 +267,9 @@ def test_int8_gemv_row_alone_equals_row_in_batch(threads):
     try:
         for n, k in ((1, 64), (37, 96), (301, 4128), (1030, 896)):
             w, scale = _int8_parts(torch.randn(n, k, generator=g))
-            x = torch.randn(5, k, generator=g).bfloat16()
+            x = torch.randn(11, k, generator=g).bfloat16()  # two passes (8 + 3 rows)
             batch = torch.ops.tokenhaul_int8.gemv(x, w, scale.bfloat16())
-            for i in range(5):
+            for i in range(11):
                 assert torch.equal(torch.ops.tokenhaul_int8.gemv(x[i:i + 1], w, scale.bfloat16())[0], batch[i])
     finally:
         torch.set_num_threads(old)

@@ -1,18 +1,22 @@
-// Int4 packed weights × a few activation rows (tokenhaul/layers/int4_gemv.py): y = x W^T, fp32 arithmetic.
+// Int4 packed weights × a few activation rows (tokenhaul/layers/int4_gemv.py): y = x W^T.
 //
 // Reads the CPU int4pack layout as is (see int4_dequant.cpp): rows in blocks of B (64 where torch runs its AVX-512
 // kernels, 32 with AVX2), for each input k a block stores B / 2 bytes, byte j = q[n0 + j] | q[n0 + B / 2 + j] << 4;
 // work is done in units of 64 rows (one or two blocks) whatever B; scales_zeros [K / group, N, 2] bf16,
-// value = (q - 8) * scale + zero. Activations are converted to fp32 once; per group the codes are summed
-// against them unscaled and the group's scale and zero applied after:
+// value = (q - 8) * scale + zero. Per group the codes are summed against the activations unscaled and the
+// group's scale and zero applied after:
 //   y[n] = Σ_g s[g,n] · (Σ_k q[n,k] x[k] - 8 Σ_k x[k]) + z[g,n] · Σ_k x[k].
-// Each row of x goes through the same operations whatever the row count, so a row's result does not depend on
-// its batch. Work is split evenly over threads in (block, group) units, walked in memory order with the scales of
-// a unit a few ahead prefetched; a block two threads share is summed after the parallel region.
+// Three ways to sum: fp32 FMAs on the codes widened to fp32 (fp32 activations; bf16 ones of 3 or more rows without
+// AVX-512 BF16), bf16 dot products (AVX-512 BF16), bytes times 8-bit activations (bf16 activations of 1 or 2 rows
+// without AVX-512 BF16). Within a way each row goes through the same operations whatever the row count, so a
+// row's result depends on its batch only through which way its row count takes. Work is split evenly over threads
+// in (block, group) units, walked in memory order with the scales of a unit a few ahead prefetched; a block two
+// threads share is summed after the parallel region.
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 
 #include <algorithm>
+#include <cmath>
 #include <cstdint>
 #include <cstring>
 #include <vector>
@@ -40,7 +44,11 @@ struct Problem {
   const float* xs;     // [M][G] group sums of x
   int64_t m, k, n, groups, group, block;
   const uint32_t* xpairs;  // bf16 x as (x[k], x[k + 1]) pairs, [M][K / 2]; null when x is fp32
+  const int8_t* xq;        // 8-bit x (the AVX2 path of bf16 activations), [M][K]; null otherwise
+  const float* xd;         // its scale per QBLOCK inputs, [M][K / QBLOCK]; xs then holds the quantized x's sums
 };
+
+constexpr int64_t QBLOCK = 16;  // inputs per activation scale of the 8-bit path
 
 #ifdef __AVX2__
 // out[TM][64] += rows m0.. of x against group g of unit b (64 rows). TM rows at once, SL of the unit's four
@@ -99,6 +107,102 @@ void block_rows(const Problem& p, int64_t b, int64_t g, int64_t m0, float* out) 
         const __m256 y = _mm256_fmadd_ps(scale, centred, _mm256_loadu_ps(o));
         _mm256_storeu_ps(o, _mm256_fmadd_ps(zero, _mm256_set1_ps(sx), y));
       }
+    }
+  }
+}
+
+
+// 8-bit activations (AVX2, bf16 activations), llama.cpp's way: x is quantized per QBLOCK inputs to int8 (scale
+// d = max|x| / 127) and the codes are multiplied as bytes (vpmaddubsw: unsigned codes × signed x, adjacent pairs
+// summed to int16) — 32 products per instruction instead of 8 FMAs on codes widened to fp32. Codes of inputs k and
+// k + 1 of a row are paired into adjacent bytes by one byte shuffle; 16-bit sums over a block (8 pairs: at most
+// 8 · 2 · 15 · 127 = 30480) are widened and scaled by d into fp32 per group:
+//   y[n] += s[g,n] · (A - 8 X) + z[g,n] · X,  A = Σ_blocks d · Σ_k q[n,k] xq[k],  X = Σ_blocks d · Σ_k xq[k].
+// The rows of a 64-row unit sit in four registers, 16 rows (two 128-bit lanes of 8) each: `first_row` says which.
+inline int first_row(int64_t block, int j, int lane) {
+  return block == 32 ? 16 * j + 8 * lane : (j >> 1) * 32 + (j & 1) * 8 + 16 * lane;
+}
+
+// The (k, k + 1) code pairs of the unit's 64 rows. 32-row blocks: each block stores 16 bytes per input (byte i =
+// rows i | i + 16), so inputs k, k + 1 are 32 adjacent bytes; 64-row blocks: 32 bytes per input (rows i | i + 32).
+inline void unit_pairs(const uint8_t* src0, const uint8_t* src1, int64_t block, __m256i (&w)[4]) {
+  const __m256i m = _mm256_set1_epi8(15);
+  if (block == 32) {
+    const __m256i ctl = _mm256_setr_epi8(0, 8, 1, 9, 2, 10, 3, 11, 4, 12, 5, 13, 6, 14, 7, 15,
+                                         0, 8, 1, 9, 2, 10, 3, 11, 4, 12, 5, 13, 6, 14, 7, 15);
+    const uint8_t* src[2] = {src0, src1};
+    for (int b = 0; b < 2; ++b) {  // lanes [k rows 0-7, k + 1 rows 0-7 | k rows 8-15, k + 1 rows 8-15], paired
+      __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(src[b]));
+      v = _mm256_shuffle_epi8(_mm256_permute4x64_epi64(v, 0xD8), ctl);
+      w[2 * b] = _mm256_and_si256(v, m);
+      w[2 * b + 1] = _mm256_and_si256(_mm256_srli_epi16(v, 4), m);
+    }
+  } else {
+    const __m256i a = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(src0));
+    const __m256i b = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(src0 + 32));
+    const __m256i l = _mm256_unpacklo_epi8(a, b), h = _mm256_unpackhi_epi8(a, b);
+    w[0] = _mm256_and_si256(l, m);
+    w[1] = _mm256_and_si256(h, m);
+    w[2] = _mm256_and_si256(_mm256_srli_epi16(l, 4), m);
+    w[3] = _mm256_and_si256(_mm256_srli_epi16(h, 4), m);
+  }
+}
+
+// acc[m][64] += d · (16-bit sums of one block) for TM rows
+template <int TM>
+inline void flush_block(const __m256i (&s16)[TM][4], const float* d, int64_t stride, int64_t block,
+                        float (*acc)[64]) {
+  for (int m = 0; m < TM; ++m) {
+    const __m256 dv = _mm256_set1_ps(d[m * stride]);
+    for (int j = 0; j < 4; ++j)
+      for (int lane = 0; lane < 2; ++lane) {
+        const __m128i part = lane ? _mm256_extracti128_si256(s16[m][j], 1) : _mm256_castsi256_si128(s16[m][j]);
+        float* a = acc[m] + first_row(block, j, lane);
+        _mm256_storeu_ps(a, _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_cvtepi16_epi32(part)), dv, _mm256_loadu_ps(a)));
+      }
+  }
+}
+
+// out[TM][64] += the TM rows of the 8-bit x against group g of unit b
+template <int TM>
+void block_rows_i8(const Problem& p, int64_t b, int64_t g, float* out) {
+  const int64_t k = p.k, group = p.group, groups = p.groups, nb = k / QBLOCK;
+  const uint8_t* src0 = p.block == 32 ? p.w + 2 * b * k * 16 : p.w + b * k * 32;
+  const uint8_t* src1 = src0 + k * 16;  // the unit's second 32-row block
+  const int64_t step = p.block == 32 ? 16 : 32;  // bytes per input
+  alignas(32) float acc[TM][64] = {};
+  for (int64_t k0 = g * group; k0 < (g + 1) * group; k0 += QBLOCK) {
+    __m256i s16[TM][4];
+    for (int m = 0; m < TM; ++m)
+      for (int j = 0; j < 4; ++j) s16[m][j] = _mm256_setzero_si256();
+    for (int64_t kk = k0; kk < k0 + QBLOCK; kk += 2) {
+      __m256i w[4];
+#if PREFETCH
+      _mm_prefetch(reinterpret_cast<const char*>(src0 + kk * step) + PREFETCH, _MM_HINT_T0);
+      if (p.block == 32) _mm_prefetch(reinterpret_cast<const char*>(src1 + kk * step) + PREFETCH, _MM_HINT_T0);
+#endif
+      unit_pairs(src0 + kk * step, src1 + kk * step, p.block, w);
+      for (int m = 0; m < TM; ++m) {
+        int16_t pair;
+        std::memcpy(&pair, p.xq + m * k + kk, 2);
+        const __m256i xv = _mm256_set1_epi16(pair);
+        for (int j = 0; j < 4; ++j) s16[m][j] = _mm256_add_epi16(s16[m][j], _mm256_maddubs_epi16(w[j], xv));
+      }
+    }
+    flush_block<TM>(s16, p.xd + k0 / QBLOCK, nb, p.block, acc);
+  }
+  const __m256i high16 = _mm256_set1_epi32(static_cast<int>(0xffff0000u));
+  const uint16_t* szb = p.sz + (g * p.n + b * 64) * 2;
+  for (int r = 0; r < 64; r += 8) {
+    const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(szb + r * 2));
+    const __m256 scale = _mm256_castsi256_ps(_mm256_slli_epi32(v, 16));
+    const __m256 zero = _mm256_castsi256_ps(_mm256_and_si256(v, high16));
+    for (int m = 0; m < TM; ++m) {
+      const float sx = p.xs[m * groups + g];
+      float* o = out + m * 64 + r;
+      const __m256 centred = _mm256_sub_ps(_mm256_load_ps(acc[m] + r), _mm256_set1_ps(8.0f * sx));
+      const __m256 y = _mm256_fmadd_ps(scale, centred, _mm256_loadu_ps(o));
+      _mm256_storeu_ps(o, _mm256_fmadd_ps(zero, _mm256_set1_ps(sx), y));
     }
   }
 }
@@ -200,8 +304,18 @@ bool has_avx512_bf16() {
   return yes;
 }
 
+// bf16 activations of one or two rows take the 8-bit path unless the AVX-512 BF16 dot products can read the
+// layout; more rows convert to fp32 (the 8-bit path's 16-bit sums, widened per block, lose to the FMAs there:
+// bench/RESULTS.md "int4 GEMV on AVX2")
+bool eight_bit_activations(int64_t block, int64_t m) { return m <= 2 && !(block == 64 && has_avx512_bf16()); }
+
 // One unit (block b, group g) for every row of x, added into out[M][64].
 void unit(const Problem& p, int64_t b, int64_t g, float* out) {
+  if (p.xq != nullptr) {
+    if (p.m == 1) block_rows_i8<1>(p, b, g, out);
+    else block_rows_i8<2>(p, b, g, out);
+    return;
+  }
   if (p.xpairs != nullptr && p.block == 64 && has_avx512_bf16()) {
     for (int64_t m0 = 0; m0 < p.m;) {
       const int64_t tm = std::min<int64_t>(p.m - m0, 4);
@@ -231,6 +345,8 @@ void unit(const Problem& p, int64_t b, int64_t g, float* out) {
   }
 }
 #else
+bool eight_bit_activations(int64_t, int64_t) { return false; }
+
 void unit(const Problem& p, int64_t b, int64_t g, float* out) {
   const int64_t half = p.block / 2;
   for (int64_t j = 0; j < 64; ++j) {
@@ -285,16 +401,43 @@ at::Tensor gemv(const at::Tensor& x, const at::Tensor& weight, const at::Tensor&
   } else {
     std::memcpy(xf, xc.data_ptr<float>(), m * k * sizeof(float));
   }
-  for (int64_t i = 0; i < m * groups; ++i) {
-    float sum = 0.0f;
-    for (int64_t j = 0; j < group; ++j) sum += xf[i * group + j];
-    xs[i] = sum;
+  const bool bf16 = x.dtype() == at::kBFloat16;
+  std::vector<int8_t> xq;
+  std::vector<float> xd;
+  if (bf16 && eight_bit_activations(block, m)) {  // quantized per QBLOCK inputs; xs: the quantized x's group sums
+    TORCH_CHECK(group <= 128, "the 8-bit path takes groups of up to 128 inputs");
+    xq.resize(m * k);
+    xd.resize(m * k / QBLOCK);
+    std::vector<float> block_sum(m * k / QBLOCK);
+    for (int64_t i = 0; i < m * k / QBLOCK; ++i) {
+      float amax = 0.0f;
+      for (int64_t j = 0; j < QBLOCK; ++j) amax = std::max(amax, std::fabs(xf[i * QBLOCK + j]));
+      const float d = amax / 127.0f, inv = amax > 0.0f ? 127.0f / amax : 0.0f;
+      int32_t sum = 0;
+      for (int64_t j = 0; j < QBLOCK; ++j) {
+        xq[i * QBLOCK + j] = static_cast<int8_t>(std::nearbyint(xf[i * QBLOCK + j] * inv));
+        sum += xq[i * QBLOCK + j];
+      }
+      xd[i] = d;
+      block_sum[i] = d * static_cast<float>(sum);
+    }
+    for (int64_t i = 0; i < m * groups; ++i) {
+      float sum = 0.0f;
+      for (int64_t j = 0; j < group / QBLOCK; ++j) sum += block_sum[i * (group / QBLOCK) + j];
+      xs[i] = sum;
+    }
+  } else {
+    for (int64_t i = 0; i < m * groups; ++i) {
+      float sum = 0.0f;
+      for (int64_t j = 0; j < group; ++j) sum += xf[i * group + j];
+      xs[i] = sum;
+    }
   }
   const Problem p{weight.data_ptr<uint8_t>(), reinterpret_cast<const uint16_t*>(scales_zeros.data_ptr<at::BFloat16>()),
                   xf, xs, m, k, n, groups, group, block,
-                  x.dtype() == at::kBFloat16 ? reinterpret_cast<const uint32_t*>(xc.data_ptr<at::BFloat16>()) : nullptr};
+                  bf16 ? reinterpret_cast<const uint32_t*>(xc.data_ptr<at::BFloat16>()) : nullptr,
+                  xq.empty() ? nullptr : xq.data(), xd.empty() ? nullptr : xd.data()};
   std::vector<int64_t> edge_block(threads * 2, -1);
-  const bool bf16 = x.dtype() == at::kBFloat16;
   at::parallel_for(0, threads, 1, [&](int64_t t0, int64_t t1) {
     for (int64_t t = t0; t < t1; ++t) {
       const int64_t u0 = units * t / threads, u1 = units * (t + 1) / threads;

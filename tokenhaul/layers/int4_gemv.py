@@ -2,9 +2,10 @@
 (batch-1 decode), reading the CPU int4pack layout as it is stored (blocks of 64 or 32 rows: `linear_int4.block_n`).
 
 A small C++ kernel (int4_gemv.cpp, built on first use: tokenhaul/native.py), registered as a torch op with a fake
-implementation so the compiled decode step can call it. fp32 sums: per group the codes are summed against the
-activations and the group's scale and zero applied to the sum — with AVX-512 BF16 (bf16 activations) as bf16
-dot products of the codes (exact as bf16) with the activations, else AVX2 FMAs on the codes as fp32.
+implementation so the compiled decode step can call it. Per group the codes are summed against the activations
+and the group's scale and zero applied to the sum. bf16 activations: with AVX-512 BF16 as bf16 dot products of
+the codes (exact as bf16) with the activations; else (AVX2) quantized to 8 bits per 16 inputs and multiplied as
+bytes (`vpmaddubsw`, llama.cpp's way). fp32 activations: AVX2 FMAs on the codes as fp32.
 Without a C++ compiler `Int4Linear` keeps `_weight_int4pack_mm_for_cpu` (one stderr line says so)."""
 
 from __future__ import annotations
@@ -16,25 +17,49 @@ import torch
 from tokenhaul import native
 
 SOURCE = Path(__file__).with_name("int4_gemv.cpp")
+QBLOCK = 16  # inputs per activation scale on the 8-bit path (int4_gemv.cpp)
 
 
 def _fake(x: torch.Tensor, weight: torch.Tensor, scales_zeros: torch.Tensor, group: int, block: int) -> torch.Tensor:
     return x.new_empty(x.shape[0], scales_zeros.shape[1])
 
 
-def rows() -> int:
-    """Up to how many rows the GEMV runs (bench/linear_kernels.py --only gemv, bench/RESULTS.md "int4 GEMV" and
-    "Speed run 4"): with AVX-512 BF16 it beats int4pack at every row count (1.2-1.3x at 1-4 rows, 1.5-1.7x at
-    8-128) and the dequantize + bf16 GEMM path up to ~120 rows (one layer of SmolLM2 / Qwen: 1.6-2.1x at 32
-    rows, 1.07-1.18x at 96, 0.97-1.05x at 128); with AVX2 FMAs only at 1 row (0.55x int4pack at 2). The bf16
-    path reads the 64-row blocks torch packs when it runs its AVX-512 kernels."""
+def _avx512_bf16() -> bool:
+    """Whether this CPU runs the bf16 dot-product path (torch packs 64-row blocks where it runs AVX-512)."""
     if torch.backends.cpu.get_cpu_capability() != "AVX512":
-        return 1
+        return False
     try:
         flags = next((line for line in Path("/proc/cpuinfo").read_text().splitlines() if line.startswith("flags")), "")
     except OSError:
         flags = ""
-    return 112 if {"avx512_bf16", "avx512vbmi", "avx512bw", "avx512vl"} <= set(flags.split()) else 1
+    return {"avx512_bf16", "avx512vbmi", "avx512bw", "avx512vl"} <= set(flags.split())
+
+
+def eight_bit_activations(rows: int) -> bool:
+    """Whether bf16 activations of `rows` rows are quantized to 8 bits per QBLOCK inputs (int4_gemv.cpp: one or
+    two rows without AVX-512 BF16); fp32 ones never are."""
+    return rows <= 2 and torch.backends.cpu.get_cpu_capability() in ("AVX2", "AVX512") and not _avx512_bf16()
+
+
+def quantize_activations(x: torch.Tensor) -> torch.Tensor:
+    """The values the 8-bit path multiplies by: x [M, K] per QBLOCK inputs rounded to d · int8, d = max|x| / 127."""
+    xb = x.float().view(x.shape[0], -1, QBLOCK)
+    amax = xb.abs().amax(-1, keepdim=True)
+    inv = torch.where(amax > 0, torch.full_like(amax, 127.0).div(amax), 0)  # true division (127 / t: reciprocal)
+    q = torch.round(xb * inv)  # as the kernel rounds: x · (127 / max), to even
+    return (q * (amax / 127)).view_as(x)
+
+
+def rows() -> int:
+    """Up to how many rows the GEMV runs (bench/linear_kernels.py --only gemv, bench/RESULTS.md "int4 GEMV",
+    "Speed run 4" and "int4 GEMV on AVX2"). With AVX-512 BF16 it beats int4pack at every row count (1.2-1.3x at
+    1-4 rows, 1.5-1.7x at 8-128) and the dequantize + bf16 GEMM path up to ~120 rows. With AVX2 (torch's int4pack
+    and bf16 GEMMs have no fast path there) it beats int4pack at every row count (1.2-2.2x, one layer of SmolLM2 /
+    Qwen2.5-0.5B) and dequantize + fp32 GEMM up to ~350 rows (1.5-1.6x at 256, 0.97x at 384, 0.84-0.90x at 512).
+    On AVX-512 hosts without BF16 (torch's AVX-512 int4pack) it was measured faster only at 1 row."""
+    if _avx512_bf16():
+        return 112
+    return 320 if torch.backends.cpu.get_cpu_capability() == "AVX2" else 1
 
 
 def available() -> bool:

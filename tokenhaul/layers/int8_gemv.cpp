@@ -1,5 +1,5 @@
 // Few-row int8 linear for the CPU (tokenhaul/layers/int8_gemv.py): y [M, N] = (x [M, K] @ W^T) * scale, W int8
-// [N, K] row-major with one scale per row, x bf16, y fp32, M small (decode). Each weight row is read once, widened
+// [N, K] row-major with one scale per row, x bf16, y fp32, M small (decode: passes of up to 8 rows). Each weight row is read once, widened
 // to int16 and multiplied (madd) into every activation row, itself as int16 codes with one scale per row
 // (15 bits, finer than bf16). Threads take contiguous ranges of rows; with one activation row a thread walks its
 // range as STREAMS runs at once (more cache lines in flight per core).
@@ -110,10 +110,10 @@ void run(const int8_t* W, const int16_t* Xq, const float* xs, const uint16_t* S,
 
 }  // namespace
 
-constexpr int64_t MAX_ROWS = 8;
+constexpr int64_t MAX_ROWS = 8;  // rows per pass over the weights (one template per row count)
 
 at::Tensor int8_gemv(const at::Tensor& x, const at::Tensor& weight, const at::Tensor& scales) {
-  TORCH_CHECK(x.dim() == 2 && x.size(0) >= 1 && x.size(0) <= MAX_ROWS, "x: [M, K] with 1 <= M <= 8");
+  TORCH_CHECK(x.dim() == 2 && x.size(0) >= 1, "x: [M, K] with M >= 1");
   TORCH_CHECK(weight.dtype() == at::kChar && weight.is_contiguous() && weight.dim() == 2, "weight: contiguous int8");
   TORCH_CHECK(scales.dtype() == at::kBFloat16 && scales.is_contiguous(), "scales: contiguous bf16 [N]");
   const int64_t M = x.size(0), K = x.size(1), N = weight.size(0);
@@ -132,19 +132,21 @@ at::Tensor int8_gemv(const at::Tensor& x, const at::Tensor& weight, const at::Te
   }
   at::Tensor y = at::empty({M, N}, x.options().dtype(at::kFloat));
   const int8_t* W = weight.data_ptr<int8_t>();
-  const int16_t* X = xq.data();
-  const float* XS = xs.data();
   const uint16_t* S = reinterpret_cast<const uint16_t*>(scales.data_ptr<at::BFloat16>());
-  float* Y = y.data_ptr<float>();
-  switch (M) {
-    case 1: run<1>(W, X, XS, S, K, N, Y); break;
-    case 2: run<2>(W, X, XS, S, K, N, Y); break;
-    case 3: run<3>(W, X, XS, S, K, N, Y); break;
-    case 4: run<4>(W, X, XS, S, K, N, Y); break;
-    case 5: run<5>(W, X, XS, S, K, N, Y); break;
-    case 6: run<6>(W, X, XS, S, K, N, Y); break;
-    case 7: run<7>(W, X, XS, S, K, N, Y); break;
-    default: run<8>(W, X, XS, S, K, N, Y); break;
+  for (int64_t m0 = 0; m0 < M; m0 += MAX_ROWS) {  // passes of up to 8 rows: each row is summed the same way
+    const int16_t* X = xq.data() + m0 * K;
+    const float* XS = xs.data() + m0;
+    float* Y = y.data_ptr<float>() + m0 * N;
+    switch (std::min(M - m0, MAX_ROWS)) {
+      case 1: run<1>(W, X, XS, S, K, N, Y); break;
+      case 2: run<2>(W, X, XS, S, K, N, Y); break;
+      case 3: run<3>(W, X, XS, S, K, N, Y); break;
+      case 4: run<4>(W, X, XS, S, K, N, Y); break;
+      case 5: run<5>(W, X, XS, S, K, N, Y); break;
+      case 6: run<6>(W, X, XS, S, K, N, Y); break;
+      case 7: run<7>(W, X, XS, S, K, N, Y); break;
+      default: run<8>(W, X, XS, S, K, N, Y); break;
+    }
   }
   return y;
 }

@@ -1,6 +1,7 @@
-"""Few-row int8 linear: `torch.ops.tokenhaul_int8.gemv(x bf16 [M <= 8, K], weight int8 [N, K], scales bf16 [N])`
-→ fp32 [M, N], for decode steps of `Int8Linear`. At one row it streams the SmolLM2 / Qwen lm_heads at 35 GB/s
-(huge pages, 2 threads) where `_weight_int8pack_mm` read 15 (2.3x); Qwen's int8 layers 1.2-1.4x.
+"""Few-row int8 linear: `torch.ops.tokenhaul_int8.gemv(x bf16 [M, K], weight int8 [N, K], scales bf16 [N])` → fp32
+[M, N], for decode steps of `Int8Linear` (passes of up to 8 rows over the weights). At one row it streams the
+SmolLM2 / Qwen lm_heads at 35 GB/s (huge pages, 2 threads) where `_weight_int8pack_mm` read 15 (2.3x); Qwen's int8
+layers 1.2-1.4x.
 With one row each thread walks its weight rows as 4 runs at once: one sequential run per core left the Sapphire
 Rapids host's memory-level parallelism unused (700 MB of Qwen layers: 19 -> 30 GB/s; RESULTS "Speed run 5").
 
@@ -17,7 +18,7 @@ import torch
 from tokenhaul import native
 
 SOURCE = Path(__file__).with_name("int8_gemv.cpp")
-MAX_ROWS = 8  # the kernel's limit (one template per row count)
+MAX_ROWS = 8  # rows per pass over the weights (one template per row count)
 
 
 def _fake(x: torch.Tensor, weight: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:

@@ -29,18 +29,15 @@ def quantize_rows(x: torch.Tensor, split: bool) -> tuple[torch.Tensor, torch.Ten
     return torch.cat([hi, u.sub_(hi).mul_(254).round_()]).to(torch.int8), scale
 
 
+GEMV_ROWS_AVX2 = 128  # Zen 3, 2 threads: at 128 rows still 1.2-1.9x the fp32 GEMM (lm_heads, Qwen's layers)
+
+
 @register("int8")
 class Int8Linear(Linear):
     """y = (x_q @ W_q^T) * x_scale * w_scale on CPU for more than `packed_rows` rows; up to that the C++ GEMV
-    where its int16 activations stay in L1 (`gemv_rows`), else `_weight_int8pack_mm`; always the latter on CUDA."""
+    where it beats int8pack (`gemv_rows`), else `_weight_int8pack_mm`; always the latter on CUDA."""
 
     packed_rows = 7  # int8pack ÷ int_mm(16-bit activations) crosses 1 between 4 and 8 rows (RESULTS)
-
-    @staticmethod
-    def gemv_rows(m: int, k: int) -> bool:
-        """The C++ GEMV beats int8pack at one row, and at a few rows while M * K int16 activations stay in L1
-        (measured, 2 threads: 1.2-2.5x at 2-4 rows of 576-896 inputs; 1.0x and 0.8x at 2 and 4 rows of 4864)."""
-        return m == 1 or (m <= int8_gemv.MAX_ROWS and m * k <= 4096)
 
     def __init__(self, weight: torch.Tensor, scales: torch.Tensor, bias: torch.Tensor | None) -> None:
         self.weight = weight  # int8 [out, in]
@@ -53,6 +50,19 @@ class Int8Linear(Linear):
         if self.widen:  # int8pack up to where the fp32 GEMM (and its copy of the weight) pays
             self.packed_rows = FP32_GEMM_ROWS - 1
         self.gemv = not self.cuda and int8_gemv.available()
+        # AVX2: the GEMV (8 rows a pass) beats int8pack and the fp32 GEMM up to 128 rows and more (1.2-4x)
+        self.gemv_max = GEMV_ROWS_AVX2 if torch.backends.cpu.get_cpu_capability() == "AVX2" else None
+
+    def gemv_rows(self, m: int) -> bool:
+        """Whether `m` rows take the C++ GEMV. With AVX-512 it beats int8pack at one row, and at a few rows while
+        M * K int16 activations stay in L1 (measured, 2 threads: 1.2-2.5x at 2-4 rows of 576-896 inputs; 1.0x and
+        0.8x at 2 and 4 rows of 4864); with AVX2 up to `gemv_max` rows (bench/RESULTS.md "int8 GEMV on AVX2")."""
+        if not self.gemv:
+            return False
+        if self.gemv_max is not None:
+            return m <= self.gemv_max
+        k = self.in_features
+        return m <= self.packed_rows and (m == 1 or (m <= int8_gemv.MAX_ROWS and m * k <= 4096))
 
     @classmethod
     def supports(cls, in_features: int, group: int | None) -> bool:
@@ -68,7 +78,7 @@ class Int8Linear(Linear):
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         m = x.shape[0]
-        if self.gemv and m <= self.packed_rows and self.gemv_rows(m, self.in_features):
+        if self.gemv_rows(m):
             y = torch.ops.tokenhaul_int8.gemv(x, self.weight, self.scales)
         elif self.cuda or m <= self.packed_rows:
             y = torch.ops.aten._weight_int8pack_mm(x.to(torch.bfloat16), self.weight, self.scales)

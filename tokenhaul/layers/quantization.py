@@ -106,6 +106,7 @@ class LinearFactory:
                 lin.max_rows = None
             if lin.format == "int8":
                 lin.packed_rows = 0  # the integer GEMM's int32 sums are exact, so each row is its own
+                lin.gemv = False
             lin.widen = False  # no fp32 GEMM from some row count on (AVX2 hosts), even where it is faster
         return lin
 

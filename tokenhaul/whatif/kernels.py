@@ -10,7 +10,9 @@ GPU kernels (cuBLAS bf16, `_weight_int4pack_mm`, `_weight_int8pack_mm`) with CUD
 
 from __future__ import annotations
 
+import hashlib
 import time
+from functools import cache
 from pathlib import Path
 
 import torch
@@ -25,6 +27,15 @@ from tokenhaul.whatif import clock
 ROWS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512)
 SPAN_BYTES = 64e6  # weights read per timed pass on a CPU: ≫ L3, as a step's many layers are
 DENSE = ("bf16", "fp32")  # dense formats; the packed ones (int8, int4) as layers/linear registers them
+
+
+@cache
+def kernels_version() -> str:
+    """A digest of the linears' code (layers/linear*.py, the C++ kernels): a curve timed before a kernel changed
+    is not reused after."""
+    folder = Path(linear.__file__).parent
+    files = sorted(folder.glob("linear*.py")) + sorted(folder.glob("*.cpp")) + [folder / "int4_gemv.py"]
+    return hashlib.sha256(b"".join(f.read_bytes() for f in files)).hexdigest()[:12]
 
 
 def available_formats() -> tuple[str, ...]:
@@ -131,7 +142,7 @@ class LinearTimes:
 
     def curve(self, fmt: str, out: int, in_: int, working_set: float = 0.0) -> list[tuple[int, float]]:
         span = span_bytes(self.device, working_set)
-        key = f"{cal.machine_key(self.device)} | linear | {fmt} | {out}x{in_}"
+        key = f"{cal.machine_key(self.device)} | linear | {fmt} | {out}x{in_} | kernels {kernels_version()}"
         if span != span_bytes(self.device):
             key += f" | span {span / 1e6:.0f} MB"
         if key not in self._curves:
