@@ -104,6 +104,12 @@ def test_kernels_read_both_layouts(block):
         y = torch.ops.tokenhaul_int4.gemv(rows, packed, sz, group, block).double()
         ref = rows.double() @ w.double().t()
         assert ((y - ref).abs() <= 1e-4 * (rows.double().abs() @ w.double().abs().t()) + 1e-6).all()
+    for rows in (x[:1], x[:2], x):  # bf16 activations: the 8-bit path (1-2 rows, where it runs) reads both too
+        xb = rows.bfloat16()
+        y = torch.ops.tokenhaul_int4.gemv(xb, packed, sz, group, block).double()
+        eight = int4_gemv.eight_bit_activations(len(rows), block)
+        ref = (int4_gemv.quantize_activations(xb) if eight else xb).double() @ w.double().t()
+        assert ((y - ref).abs() <= 2 ** -8 * ref.abs() + 1e-4 * (xb.double().abs() @ w.double().abs().t())).all()
 
 
 @settings(max_examples=25, deadline=None)
@@ -169,7 +175,7 @@ def test_int4_gemv_matches_float_reference(n, k_groups, m, group, threads, seed)
     terms = x.double().abs() @ deq.abs().t()
     assert ((y32.double() - x.double() @ deq.t()).abs() <= 1e-4 * terms).all()
     ref16 = x.bfloat16().double() @ deq.t()
-    if int4_gemv.eight_bit_activations(m):  # the kernel multiplies the 8-bit x: to fp32 rounding of that product,
+    if int4_gemv.eight_bit_activations(m, lin.block):  # it multiplies the 8-bit x: to fp32 rounding of that product,
         xq = int4_gemv.quantize_activations(x.bfloat16()).double()
         exact = xq @ deq.t()
         assert ((y16.double() - exact).abs() <= 2 ** -8 * exact.abs() + 1e-4 * terms).all()
@@ -181,7 +187,7 @@ def test_int4_gemv_matches_float_reference(n, k_groups, m, group, threads, seed)
     else:
         assert ((y16.double() - ref16).abs() <= 2 ** -8 * ref16.abs() + 1e-4 * terms).all()
     assert torch.equal(torch.cat(rows), y32)
-    if int4_gemv.eight_bit_activations(1) == int4_gemv.eight_bit_activations(m):  # the same way for bf16 rows
+    if int4_gemv.eight_bit_activations(1, lin.block) == int4_gemv.eight_bit_activations(m, lin.block):  # one way
         rows16 = [torch.ops.tokenhaul_int4.gemv(x[i:i + 1].bfloat16(), lin.weight, lin.scales_zeros, group,
                                                 lin.block) for i in range(m)]
         assert torch.equal(torch.cat(rows16)[:, :n], y16)

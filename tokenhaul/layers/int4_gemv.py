@@ -35,10 +35,11 @@ def _avx512_bf16() -> bool:
     return {"avx512_bf16", "avx512vbmi", "avx512bw", "avx512vl"} <= set(flags.split())
 
 
-def eight_bit_activations(rows: int) -> bool:
+def eight_bit_activations(rows: int, block: int) -> bool:
     """Whether bf16 activations of `rows` rows are quantized to 8 bits per QBLOCK inputs (int4_gemv.cpp: one or
-    two rows without AVX-512 BF16); fp32 ones never are."""
-    return rows <= 2 and torch.backends.cpu.get_cpu_capability() in ("AVX2", "AVX512") and not _avx512_bf16()
+    two rows, unless AVX-512 BF16 reads the `block`-row layout); fp32 ones never are."""
+    simd = torch.backends.cpu.get_cpu_capability() in ("AVX2", "AVX512")
+    return rows <= 2 and simd and not (block == 64 and _avx512_bf16())
 
 
 def quantize_activations(x: torch.Tensor) -> torch.Tensor:
