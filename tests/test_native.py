@@ -24,6 +24,7 @@ def test_stale_torch_lock_is_cleared_before_building(tmp_path: Path, monkeypatch
     native._build("tokenhaul_probe", tmp_path / "probe.cpp", ["-O3"])
     assert seen == {"name": "tokenhaul_probe", "lock": False, "folder": str(folder)}
     assert folder.parent == tmp_path / folder.parent.name and "torch" in folder.parent.name
+    assert folder.name.startswith("tokenhaul_probe-")  # and the checkout: another one builds its own
 
 
 def test_builds_wait_for_each_other_through_the_flock(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
@@ -36,7 +37,7 @@ def test_builds_wait_for_each_other_through_the_flock(tmp_path: Path, monkeypatc
     monkeypatch.setenv("TORCH_EXTENSIONS_DIR", str(tmp_path))
     folder = native._build_dir("tokenhaul_probe")
     folder.mkdir(parents=True)
-    guard = folder.with_name("tokenhaul_probe.flock")
+    guard = folder.with_name(folder.name + ".flock")
     holder = subprocess.Popen([sys.executable, "-c", f"import fcntl,sys,time; f=open({str(guard)!r},'w'); "
                                "fcntl.flock(f, fcntl.LOCK_EX); print('held', flush=True); time.sleep(2)"],
                               stdout=subprocess.PIPE, text=True)

@@ -9,6 +9,7 @@ it forever; builds here hold an flock instead (the kernel drops it with its proc
 from __future__ import annotations
 
 import fcntl
+import hashlib
 import os
 import sys
 from collections.abc import Callable
@@ -27,12 +28,14 @@ def _flags() -> tuple[str, list[str]]:
 
 
 def _build_dir(name: str) -> Path:
-    """One folder per op, Python and torch build (a .so built against another torch must not be loaded)."""
+    """One folder per op, Python and torch build (a .so built against another torch must not be loaded) and
+    checkout: torch rebuilds when the sources' paths change, so two checkouts sharing one folder rebuilt in turn."""
     from torch.utils.cpp_extension import get_default_build_root
 
     root = Path(os.environ.get("TORCH_EXTENSIONS_DIR") or get_default_build_root())
     tag = f"py{sys.version_info.major}{sys.version_info.minor}-torch{torch.__version__}"
-    return root / f"tokenhaul-{tag}" / name
+    checkout = hashlib.sha1(str(Path(__file__).resolve().parent).encode()).hexdigest()[:8]
+    return root / f"tokenhaul-{tag}" / f"{name}-{checkout}"
 
 
 def _build(name: str, source: Path, flags: list[str]) -> None:
@@ -41,7 +44,7 @@ def _build(name: str, source: Path, flags: list[str]) -> None:
 
     folder = _build_dir(name)
     folder.mkdir(parents=True, exist_ok=True)
-    with open(folder.with_name(name + ".flock"), "w") as guard:
+    with open(folder.with_name(folder.name + ".flock"), "w") as guard:
         fcntl.flock(guard, fcntl.LOCK_EX)  # released when this process ends, however it ends
         (folder / "lock").unlink(missing_ok=True)  # only builds holding the flock create it: this one is stale
         build(name, [str(source)], extra_cflags=flags, is_python_module=False, build_directory=str(folder),

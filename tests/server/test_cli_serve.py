@@ -32,7 +32,7 @@ def test_serve_and_bench_cli():
                              "--shutdown-timeout", "600"],  # a loaded CI machine may decode slowly: drain, not race
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     try:
-        wait_healthy(proc, url, 120, proc.stdout.read)
+        wait_healthy(proc, url, 300, proc.stdout.read)  # a start that builds the C++ ops on busy cores: minutes
         bench = subprocess.run([sys.executable, "-m", "tokenhaul.cli", "bench", "serve", "--url", url,
                                 "--num-requests", "4", "--concurrency", "2", "--input-len", "8", "--output-len", "4",
                                 "--slo-ttft-ms", "60000", "--json", "-"], capture_output=True, text=True, timeout=300)
