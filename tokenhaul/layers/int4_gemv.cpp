@@ -306,7 +306,7 @@ bool has_avx512_bf16() {
 
 // bf16 activations of one or two rows take the 8-bit path unless the AVX-512 BF16 dot products can read the
 // layout; more rows convert to fp32 (the 8-bit path's 16-bit sums, widened per block, lose to the FMAs there:
-// bench/RESULTS.md "int4 GEMV on AVX2")
+// bench/RESULTS.md "int4 and int8 GEMVs on AVX2")
 bool eight_bit_activations(int64_t block, int64_t m) { return m <= 2 && !(block == 64 && has_avx512_bf16()); }
 
 // One unit (block b, group g) for every row of x, added into out[M][64].

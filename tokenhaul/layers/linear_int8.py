@@ -56,7 +56,8 @@ class Int8Linear(Linear):
     def gemv_rows(self, m: int) -> bool:
         """Whether `m` rows take the C++ GEMV. With AVX-512 it beats int8pack at one row, and at a few rows while
         M * K int16 activations stay in L1 (measured, 2 threads: 1.2-2.5x at 2-4 rows of 576-896 inputs; 1.0x and
-        0.8x at 2 and 4 rows of 4864); with AVX2 up to `gemv_max` rows (bench/RESULTS.md "int8 GEMV on AVX2")."""
+        0.8x at 2 and 4 rows of 4864); with AVX2 up to `gemv_max` rows (bench/RESULTS.md "int4 and int8 GEMVs on
+        AVX2")."""
         if not self.gemv:
             return False
         if self.gemv_max is not None:
