@@ -55,9 +55,9 @@ def rows() -> int:
     """Up to how many rows the GEMV runs (bench/linear_kernels.py --only gemv, bench/RESULTS.md "int4 GEMV",
     "Speed run 4" and "int4 and int8 GEMVs on AVX2"). With AVX-512 BF16 it beats int4pack at every row count
     (1.2-1.3x at 1-4 rows, 1.5-1.7x at 8-128) and the dequantize + bf16 GEMM path up to ~120 rows. With AVX2
-    (torch's int4pack
-    and bf16 GEMMs have no fast path there) it beats int4pack at every row count (1.2-2.2x, one layer of SmolLM2 /
-    Qwen2.5-0.5B) and dequantize + fp32 GEMM up to ~350 rows (1.5-1.6x at 256, 0.97x at 384, 0.84-0.90x at 512).
+    (torch's int4pack and bf16 GEMMs have no fast path there) it beats int4pack at every row count (1.2-2.2x, one
+    layer of SmolLM2 / Qwen2.5-0.5B) and dequantize + fp32 GEMM up to ~350 rows (1.5-1.6x at 256, 0.97x at 384,
+    0.84-0.90x at 512).
     On AVX-512 hosts without BF16 (torch's AVX-512 int4pack) it was measured faster only at 1 row."""
     if _avx512_bf16():
         return 112
