@@ -145,6 +145,88 @@ inline void pass(const uint8_t* const* r, const float* w, int64_t n, float* acc)
     for (int q = 0; q < R; ++q) acc[c] += w[q] * scalar_at(r[q], c, K);
 }
 
+#ifdef __AVX2__
+#define AVX512 __attribute__((target("avx512f,avx512bw,avx512vl")))
+
+// The same sums 16 lanes wide (hosts with AVX-512: Zen 4 and 5, Sapphire Rapids): the AVX2 pass is bound by its
+// conversions (int8 / int4 rows at ~20 GB/s on two Zen 5 cores against ~40 the dense int8 GEMV reads). Each
+// column's products are added in the same order as there, so both passes give the same fp32 sums.
+template <Kind K>
+AVX512 inline __m512 load16(const uint8_t* p) {  // 16 columns of one int8 or bf16 row
+  if constexpr (K == INT8) {
+    return _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))));
+  } else {
+    const __m256i h = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
+    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
+  }
+}
+
+// int4: 32 columns from 16 bytes; lanes of lo = columns 0-7 and 16-23, of hi = 8-15 and 24-31
+AVX512 inline void load32_int4(const uint8_t* p, __m512& lo, __m512& hi) {
+  const __m512i v = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+  lo = _mm512_cvtepi32_ps(_mm512_and_si512(v, _mm512_set1_epi32(15)));
+  hi = _mm512_cvtepi32_ps(_mm512_srli_epi32(v, 4));
+}
+
+template <Kind K, int R>
+AVX512 void pass512(const uint8_t* const* r, const float* w, int64_t n, float* acc) {
+  __m512 wv[R];
+  for (int q = 0; q < R; ++q) wv[q] = _mm512_set1_ps(w[q]);
+  int64_t c = 0;
+  if constexpr (K == INT4) {
+    for (; c + 32 <= n; c += 32) {
+      __m512 lo, hi, sl, sh;
+      load32_int4(r[0] + c / 2, sl, sh);
+      sl = _mm512_mul_ps(wv[0], sl);
+      sh = _mm512_mul_ps(wv[0], sh);
+      for (int q = 1; q < R; ++q) {
+        load32_int4(r[q] + c / 2, lo, hi);
+        sl = _mm512_fmadd_ps(wv[q], lo, sl);
+        sh = _mm512_fmadd_ps(wv[q], hi, sh);
+      }
+      _mm512_storeu_ps(acc + c, _mm512_add_ps(_mm512_loadu_ps(acc + c), _mm512_shuffle_f32x4(sl, sh, 0x44)));
+      _mm512_storeu_ps(acc + c + 16,
+                       _mm512_add_ps(_mm512_loadu_ps(acc + c + 16), _mm512_shuffle_f32x4(sl, sh, 0xEE)));
+    }
+  } else {
+    constexpr int64_t num = K == BF16 ? 2 : 1;
+    for (; c + 16 <= n; c += 16) {
+      __m512 s = _mm512_mul_ps(wv[0], load16<K>(r[0] + c * num));
+      if constexpr (R >= 2) {
+        __m512 t = _mm512_mul_ps(wv[1], load16<K>(r[1] + c * num));
+        for (int q = 2; q < R; q += 2) {
+          s = _mm512_fmadd_ps(wv[q], load16<K>(r[q] + c * num), s);
+          if (q + 1 < R) t = _mm512_fmadd_ps(wv[q + 1], load16<K>(r[q + 1] + c * num), t);
+        }
+        s = _mm512_add_ps(s, t);
+      }
+      _mm512_storeu_ps(acc + c, _mm512_add_ps(_mm512_loadu_ps(acc + c), s));
+    }
+  }
+  if (c < n) {  // the last columns (int4: 16 of them) as the AVX2 pass sums them
+    constexpr int64_t num = K == BF16 ? 2 : 1, den = K == INT4 ? 2 : 1;
+    const uint8_t* rest[R];
+    for (int q = 0; q < R; ++q) rest[q] = r[q] + c * num / den;
+    pass<K, R>(rest, w, n - c, acc + c);
+  }
+}
+
+bool has_avx512() {
+  static const bool yes = __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
+                          __builtin_cpu_supports("avx512vl");
+  return yes;
+}
+const bool kWide = has_avx512();
+#endif
+
+template <Kind K, int R>
+inline void pass_best(const uint8_t* const* r, const float* w, int64_t n, float* acc) {
+#ifdef __AVX2__
+  if (kWide) return pass512<K, R>(r, w, n, acc);
+#endif
+  pass<K, R>(r, w, n, acc);
+}
+
 // acc[0, n) += Σ_j w[j] · row_j[0, n) over kept entries [j0, j1) of a part (its rows `row_bytes` apart), four
 // rows per pass; the slices of the kept rows AHEAD entries on (up to the last kept row, across int4 groups) are
 // prefetched
@@ -162,19 +244,19 @@ void rows_into(const uint8_t* base, int64_t row_bytes, const Kept& k, int64_t j0
     for (; j + 8 <= j1; j += 8) {
       for (int64_t a = j + AHEAD; a < std::min(last, j + AHEAD + 8); ++a) prefetch(row(a), slice);
       for (int q = 0; q < 8; ++q) r[q] = row(j + q);
-      pass<K, 8>(r, k.w.data() + j, n, acc);
+      pass_best<K, 8>(r, k.w.data() + j, n, acc);
     }
   }
   for (; j + 4 <= j1; j += 4) {
     for (int64_t a = j + AHEAD; a < std::min(last, j + AHEAD + 4); ++a) prefetch(row(a), slice);
     for (int q = 0; q < 4; ++q) r[q] = row(j + q);
-    pass<K, 4>(r, k.w.data() + j, n, acc);
+    pass_best<K, 4>(r, k.w.data() + j, n, acc);
   }
   for (int64_t a = j + AHEAD; a < std::min(last, j1 + AHEAD); ++a) prefetch(row(a), slice);
   for (int q = 0; q < j1 - j; ++q) r[q] = row(j + q);
-  if (j1 - j == 3) pass<K, 3>(r, k.w.data() + j, n, acc);
-  if (j1 - j == 2) pass<K, 2>(r, k.w.data() + j, n, acc);
-  if (j1 - j == 1) pass<K, 1>(r, k.w.data() + j, n, acc);
+  if (j1 - j == 3) pass_best<K, 3>(r, k.w.data() + j, n, acc);
+  if (j1 - j == 2) pass_best<K, 2>(r, k.w.data() + j, n, acc);
+  if (j1 - j == 1) pass_best<K, 1>(r, k.w.data() + j, n, acc);
 }
 
 // columns [c0, c0 + n) of one output row (n <= TILE), read from their part W (rows `row_bytes` apart)
