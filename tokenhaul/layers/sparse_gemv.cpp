@@ -148,9 +148,9 @@ inline void pass(const uint8_t* const* r, const float* w, int64_t n, float* acc)
 #ifdef __AVX2__
 #define AVX512 __attribute__((target("avx512f,avx512bw,avx512vl")))
 
-// The same sums 16 lanes wide (hosts with AVX-512: Zen 4 and 5, Sapphire Rapids): the AVX2 pass is bound by its
-// conversions (int8 / int4 rows at ~20 GB/s on two Zen 5 cores against ~40 the dense int8 GEMV reads). Each
-// column's products are added in the same order as there, so both passes give the same fp32 sums.
+// The same sums 16 lanes wide (hosts with AVX-512: Zen 4 and 5, Sapphire Rapids): int4's unpacking bound the AVX2
+// pass (+18-35 % on Zen 5); int8 rows gain ~5 % (bound by how the rows are read: bench/RESULTS.md "Sparsity on an
+// AMD EPYC Zen 5 host"). Each column's products are added in the same order as there: the same fp32 sums.
 template <Kind K>
 AVX512 inline __m512 load16(const uint8_t* p) {  // 16 columns of one int8 or bf16 row
   if constexpr (K == INT8) {
@@ -211,12 +211,10 @@ AVX512 void pass512(const uint8_t* const* r, const float* w, int64_t n, float* a
   }
 }
 
-bool has_avx512() {
-  static const bool yes = __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
-                          __builtin_cpu_supports("avx512vl");
-  return yes;
-}
-const bool kWide = has_avx512();
+const bool kWide = [] {  // set at load: read the CPU model first (libgcc's constructor may not have run yet)
+  __builtin_cpu_init();
+  return __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") && __builtin_cpu_supports("avx512vl");
+}();
 #endif
 
 template <Kind K, int R>
