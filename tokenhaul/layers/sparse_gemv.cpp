@@ -9,6 +9,9 @@
 // "int4" [P, K, w / 2] codes (per 16 columns 8 bytes: byte b = q[b] | q[b + 8] << 4) + [K / G, 2, N] bf16
 // (scale, zero) per (group of G input channels, column), Int4Linear's own: a skipped channel's codes are never
 // read (a group's scales are, when any of its channels is kept). kept[0] += kept channels, kept[1] += groups read.
+// int8 with bf16 inputs on AVX-512 VNNI hosts: x · scale as 15-bit integers (one scale per input row, as the dense
+// int8 GEMV quantizes its inputs), four kept rows' codes interleaved per 32-bit lane, int32 sums (vpdpbusd): the
+// float pass was bound by its conversions (~13 GB/s a core from L2); fp32 inputs keep the exact float sums.
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 
@@ -29,6 +32,9 @@ constexpr int64_t TILE = 1024;  // most output columns per part (fp32 accumulato
 // kept rows whose slices are prefetched ahead, into L2 (all 121 SmolLM2 projections, 2 threads, int8 / bf16
 // dense ÷ gathered time: into L1 8 ahead 1.24 / 1.46, into L2 8 ahead 1.49 / 1.90, 16 ahead 1.56 / 1.93)
 constexpr int64_t AHEAD = 16;
+// int8 quads walked side by side per thread (SmolLM2 / Qwen layers, 0.4, from DRAM: 1 run 13.2 / 15.1 GB/s, 2 runs
+// 13.7 / 15.8, 4 runs 14.1 / 16.2; the dense int8 GEMV reads 21-25)
+constexpr int64_t STREAMS = 4;
 
 inline float bf16_to_float(uint16_t h) { return c10::BFloat16(h, c10::BFloat16::from_bits()); }  // torch's own
 
@@ -40,33 +46,80 @@ struct Kept {
   std::vector<int32_t> group_end;  // int4: kept entries [group_end[g-1], group_end[g]) are in group g
   std::vector<float> group_sum;
   float offset_sum = 0.f;
+  // int8 on hosts with AVX-512 VNNI: w as 15-bit integers (w ≈ (128 · hi + lo) · qscale), four kept entries'
+  // bytes per quad (one 32-bit word), idx padded to a multiple of four (padding: the last kept row again, weight 0)
+  std::vector<uint8_t> hi, lo;
+  float qscale = 1.f;
 };
 
+// the kept channels' index and x (in idx, w), in order
 template <typename T>
-void find_kept(const T* x, int64_t K, float t, Kind kind, const float* so, int64_t G, Kept& k) {
+void kept_of(const T* x, int64_t K, float t, Kept& k) {
   k.idx.reserve(K);
   k.w.reserve(K);
-  if (kind == INT4) {
-    k.group_end.assign(K / G, 0);
-    k.group_sum.assign(K / G, 0.f);
-  }
   for (int64_t i = 0; i < K; ++i) {
     float v;
     if constexpr (std::is_same_v<T, float>) v = x[i]; else v = bf16_to_float(x[i]);
     if (!(std::fabs(v) >= t)) continue;
     k.idx.push_back(static_cast<int32_t>(i));
-    if (kind == INT8) {
-      k.w.push_back(v * so[2 * i]);
-      k.offset_sum += v * so[2 * i + 1];
-    } else {
-      k.w.push_back(v);
-    }
-    if (kind == INT4) k.group_sum[i / G] += v;
+    k.w.push_back(v);
   }
-  if (kind == INT4) {  // group_end[g] = number of kept channels below (g + 1) * G
-    size_t j = 0;
+}
+
+#ifdef __AVX2__
+// the same for bf16 x, 16 channels a step (AVX-512: a compare and two compresses instead of a branch per channel)
+__attribute__((target("avx512f,avx512bw,avx512vl"))) void kept_of_wide(const uint16_t* x, int64_t K, float t,
+                                                                        Kept& k) {
+  k.idx.resize(K + 16);
+  k.w.resize(K + 16);
+  int32_t* idx = k.idx.data();
+  float* w = k.w.data();
+  const __m512 tv = _mm512_set1_ps(t);
+  const __m512i step = _mm512_set1_epi32(16);
+  __m512i at = _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
+  int64_t j = 0;
+  for (int64_t i = 0; i < K; i += 16) {
+    const __mmask16 in = K - i >= 16 ? __mmask16(0xFFFF) : static_cast<__mmask16>((1u << (K - i)) - 1);
+    const __m512 v = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(in, x + i)), 16));
+    const __mmask16 m = _mm512_mask_cmp_ps_mask(in, _mm512_abs_ps(v), tv, _CMP_GE_OQ);
+    _mm512_storeu_si512(idx + j, _mm512_maskz_compress_epi32(m, at));
+    _mm512_storeu_ps(w + j, _mm512_maskz_compress_ps(m, v));
+    j += __builtin_popcount(m);
+    at = _mm512_add_epi32(at, step);
+  }
+  k.idx.resize(j);
+  k.w.resize(j);
+}
+const bool kWideFind = [] {
+  __builtin_cpu_init();
+  return __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") && __builtin_cpu_supports("avx512vl");
+}();
+#endif
+
+// one input row's Kept: the kept channels, then int8: w = x · scale and Σ x · offset; int4: each group's end and Σ x
+template <typename T>
+void find_kept(const T* x, int64_t K, float t, Kind kind, const float* so, int64_t G, Kept& k) {
+#ifdef __AVX2__
+  if constexpr (!std::is_same_v<T, float>)
+    if (kWideFind) kept_of_wide(x, K, t, k); else kept_of(x, K, t, k);
+  else kept_of(x, K, t, k);
+#else
+  kept_of(x, K, t, k);
+#endif
+  const int64_t n = static_cast<int64_t>(k.idx.size());
+  if (kind == INT8) {
+    for (int64_t j = 0; j < n; ++j) {
+      const int64_t i = k.idx[j];
+      k.offset_sum += k.w[j] * so[2 * i + 1];
+      k.w[j] *= so[2 * i];
+    }
+  } else if (kind == INT4) {  // group_end[g] = number of kept channels below (g + 1) * G
+    k.group_end.assign(K / G, 0);
+    k.group_sum.assign(K / G, 0.f);
+    for (int64_t j = 0; j < n; ++j) k.group_sum[k.idx[j] / G] += k.w[j];
+    int64_t j = 0;
     for (int64_t g = 0; g < K / G; ++g) {
-      while (j < k.idx.size() && k.idx[j] < (g + 1) * G) ++j;
+      while (j < n && k.idx[j] < (g + 1) * G) ++j;
       k.group_end[g] = static_cast<int32_t>(j);
     }
   }
@@ -225,6 +278,128 @@ inline void pass_best(const uint8_t* const* r, const float* w, int64_t n, float*
   pass<K, R>(r, w, n, acc);
 }
 
+#ifdef __AVX2__
+#define VNNI __attribute__((target("avx512f,avx512bw,avx512vl,avx512vnni")))
+const bool kVnni = [] {
+  __builtin_cpu_init();
+  return kWide && __builtin_cpu_supports("avx512vnni");
+}();
+
+// Kept::hi / lo / qscale from w (see there); the int32 sums cannot overflow below 2^16 kept rows (a lane grows by
+// < 4 · 255 · 128 per quad)
+void quantize_kept(Kept& k) {
+  if (k.idx.empty()) return;
+  while (k.idx.size() % 4) {
+    k.idx.push_back(k.idx.back());
+    k.w.push_back(0.f);
+  }
+  const int64_t n = static_cast<int64_t>(k.w.size());
+  const float* w = k.w.data();
+  float most = 0.f;
+  for (int64_t j = 0; j < n; ++j) most = std::max(most, std::fabs(w[j]));
+  k.qscale = most > 0.f ? most / 16383.f : 1.f;
+  const float inv = 1.f / k.qscale;
+  k.hi.resize(n);
+  k.lo.resize(n);
+  uint8_t* hi = k.hi.data();
+  uint8_t* lo = k.lo.data();
+  for (int64_t j = 0; j < n; ++j) {
+    const int32_t q = static_cast<int32_t>(std::nearbyint(w[j] * inv));  // |q| <= 16383
+    hi[j] = static_cast<uint8_t>(q >> 7);  // floor(q / 128), as a signed byte
+    lo[j] = static_cast<uint8_t>(q & 127);
+  }
+}
+
+inline uint32_t quad(const uint8_t* bytes, int64_t u) {  // the four bytes of quad u as one word
+  uint32_t v;
+  std::memcpy(&v, bytes + 4 * u, 4);
+  return v;
+}
+
+// hi/lo [blocks of 64 columns: 4 × 16 lanes] += Σ over `quads` quads of 4 rows: codes · (hi or lo bytes). Per 64
+// columns the 4 rows' bytes are interleaved into words (r0[c], r1[c], r2[c], r3[c]) with unpacks inside 128-bit
+// lanes: word i of lane L of the q-th register is column 16 L + 4 q + i (stored so, put in order at the end)
+VNNI void quads_int8(const uint8_t* const* r, const uint8_t* xh, const uint8_t* xl, int64_t quads, int64_t n,
+                     int32_t* hi, int32_t* lo) {
+  for (int64_t c = 0; c < n; c += 64) {
+    const __mmask64 m = n - c >= 64 ? ~__mmask64(0) : (__mmask64(1) << (n - c)) - 1;
+    __m512i H[4], L[4];
+    for (int q = 0; q < 4; ++q) {
+      H[q] = _mm512_load_si512(hi + c + 16 * q);
+      L[q] = _mm512_load_si512(lo + c + 16 * q);
+    }
+    for (int64_t u = 0; u < quads; ++u) {
+      const uint8_t* const* p = r + 4 * u;
+      const __m512i a0 = _mm512_maskz_loadu_epi8(m, p[0] + c), a1 = _mm512_maskz_loadu_epi8(m, p[1] + c);
+      const __m512i a2 = _mm512_maskz_loadu_epi8(m, p[2] + c), a3 = _mm512_maskz_loadu_epi8(m, p[3] + c);
+      const __m512i al = _mm512_unpacklo_epi8(a0, a1), ah = _mm512_unpackhi_epi8(a0, a1);
+      const __m512i bl = _mm512_unpacklo_epi8(a2, a3), bh = _mm512_unpackhi_epi8(a2, a3);
+      const __m512i Q[4] = {_mm512_unpacklo_epi16(al, bl), _mm512_unpackhi_epi16(al, bl),
+                            _mm512_unpacklo_epi16(ah, bh), _mm512_unpackhi_epi16(ah, bh)};
+      const __m512i vh = _mm512_set1_epi32(static_cast<int32_t>(quad(xh, u)));
+      const __m512i vl = _mm512_set1_epi32(static_cast<int32_t>(quad(xl, u)));
+      for (int q = 0; q < 4; ++q) {
+        H[q] = _mm512_dpbusd_epi32(H[q], Q[q], vh);
+        L[q] = _mm512_dpbusd_epi32(L[q], Q[q], vl);
+      }
+    }
+    for (int q = 0; q < 4; ++q) {
+      _mm512_store_si512(hi + c + 16 * q, H[q]);
+      _mm512_store_si512(lo + c + 16 * q, L[q]);
+    }
+  }
+}
+
+// out[0, n) = qscale · (128 · hi + lo), columns put back in order (a 4 × 4 transpose of 128-bit lanes per block)
+VNNI void finish_int8(const int32_t* hi, const int32_t* lo, float qscale, int64_t n, float* out) {
+  const __m512 s128 = _mm512_set1_ps(128.f * qscale), s1 = _mm512_set1_ps(qscale);
+  for (int64_t c = 0; c < n; c += 64) {
+    __m512 v[4];
+    for (int q = 0; q < 4; ++q)
+      v[q] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_load_si512(hi + c + 16 * q)), s128,
+                             _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_load_si512(lo + c + 16 * q)), s1));
+    const __m512 t0 = _mm512_shuffle_f32x4(v[0], v[1], 0x44), t1 = _mm512_shuffle_f32x4(v[2], v[3], 0x44);
+    const __m512 t2 = _mm512_shuffle_f32x4(v[0], v[1], 0xEE), t3 = _mm512_shuffle_f32x4(v[2], v[3], 0xEE);
+    alignas(64) float block[64];
+    _mm512_store_ps(block, _mm512_shuffle_f32x4(t0, t1, 0x88));
+    _mm512_store_ps(block + 16, _mm512_shuffle_f32x4(t0, t1, 0xDD));
+    _mm512_store_ps(block + 32, _mm512_shuffle_f32x4(t2, t3, 0x88));
+    _mm512_store_ps(block + 48, _mm512_shuffle_f32x4(t2, t3, 0xDD));
+    std::memcpy(out + c, block, sizeof(float) * std::min<int64_t>(64, n - c));
+  }
+}
+
+// tile<INT8> with integer sums: the quads cut into STREAMS runs, a pass takes the next quad of each (several
+// streams of rows in flight per thread; integer sums, so the order does not change a bit)
+void tile_int8_vnni(const uint8_t* W, int64_t row_bytes, const Kept& k, int64_t n, float* out) {
+  const int64_t quads = static_cast<int64_t>(k.idx.size()) / 4, padded = (n + 63) / 64 * 64;
+  auto row = [&](int64_t j) { return W + static_cast<int64_t>(k.idx[j]) * row_bytes; };
+  alignas(64) int32_t hi[TILE], lo[TILE];
+  std::fill(hi, hi + padded, 0);
+  std::fill(lo, lo + padded, 0);
+  const int64_t per = (quads + STREAMS - 1) / STREAMS;  // quads per run (the last may be shorter)
+  for (int64_t s = 0; s < STREAMS; ++s)
+    for (int64_t j = 4 * s * per; j < std::min(4 * quads, 4 * s * per + AHEAD); ++j) prefetch(row(j), n);
+  const uint8_t* r[4 * STREAMS];
+  alignas(4) uint8_t xh[4 * STREAMS], xl[4 * STREAMS];
+  for (int64_t i = 0; i < per; ++i) {
+    int64_t count = 0;
+    for (int64_t s = 0; s < STREAMS; ++s) {
+      const int64_t u = s * per + i;
+      if (u >= std::min(quads, (s + 1) * per)) continue;
+      for (int64_t a = 4 * u + AHEAD; a < std::min(4 * std::min(quads, (s + 1) * per), 4 * u + 4 + AHEAD); ++a)
+        prefetch(row(a), n);
+      for (int q = 0; q < 4; ++q) r[4 * count + q] = row(4 * u + q);
+      std::memcpy(xh + 4 * count, k.hi.data() + 4 * u, 4);
+      std::memcpy(xl + 4 * count, k.lo.data() + 4 * u, 4);
+      ++count;
+    }
+    quads_int8(r, xh, xl, count, n, hi, lo);
+  }
+  finish_int8(hi, lo, k.qscale, n, out);
+}
+#endif
+
 // acc[0, n) += Σ_j w[j] · row_j[0, n) over kept entries [j0, j1) of a part (its rows `row_bytes` apart), four
 // rows per pass; the slices of the kept rows AHEAD entries on (up to the last kept row, across int4 groups) are
 // prefetched
@@ -261,6 +436,10 @@ void rows_into(const uint8_t* base, int64_t row_bytes, const Kept& k, int64_t j0
 template <Kind K>
 void tile(const uint8_t* W, int64_t row_bytes, const void* sz, int64_t N, const Kept& k, int64_t c0, int64_t n,
           float* out) {
+#ifdef __AVX2__
+  if constexpr (K == INT8)
+    if (kVnni && k.hi.size() == k.idx.size()) return tile_int8_vnni(W, row_bytes, k, n, out);  // quantized
+#endif
   std::fill(out, out + n, 0.f);
   if constexpr (K != INT4) {
     rows_into<K>(W, row_bytes, k, 0, static_cast<int64_t>(k.idx.size()), n, out);
@@ -294,15 +473,27 @@ void tile(const uint8_t* W, int64_t row_bytes, const void* sz, int64_t N, const 
   }
 }
 
-// parts [P][K][row_bytes] of `width` columns each (the last may be partly padding)
-template <Kind K>
+// out[0, n) = acc + add + bias (fp32, or rounded to bf16 as torch rounds)
+template <typename T>
+void store(const float* acc, float add, const float* bias, int64_t n, T* out) {
+  for (int64_t c = 0; c < n; ++c) {
+    const float v = acc[c] + add + (bias ? bias[c] : 0.f);
+    if constexpr (std::is_same_v<T, float>) out[c] = v; else out[c] = c10::BFloat16(v);
+  }
+}
+
+// parts [P][K][row_bytes] of `width` columns each (the last may be partly padding); Y [M, N] fp32 or bf16
+template <Kind K, typename T>
 void run(const std::vector<Kept>& kept, const uint8_t* W, int64_t parts, int64_t K_in, int64_t row_bytes,
-         int64_t width, const void* sz, int64_t N, float* Y) {
+         int64_t width, const void* sz, int64_t N, const float* bias, T* Y) {
   const int64_t M = static_cast<int64_t>(kept.size());
   at::parallel_for(0, M * parts, 1, [&](int64_t begin, int64_t end) {
+    alignas(64) float acc[TILE];
     for (int64_t task = begin; task < end; ++task) {
       const int64_t m = task / parts, p = task % parts, c0 = p * width, n = std::min(width, N - c0);
-      if (n > 0) tile<K>(W + p * K_in * row_bytes, row_bytes, sz, N, kept[m], c0, n, Y + m * N + c0);
+      if (n <= 0) continue;
+      tile<K>(W + p * K_in * row_bytes, row_bytes, sz, N, kept[m], c0, n, acc);
+      store(acc, kept[m].offset_sum, bias ? bias + c0 : nullptr, n, Y + m * N + c0);
     }
   });
 }
@@ -350,23 +541,27 @@ at::Tensor sparse_gemv(const at::Tensor& x, double threshold, const at::Tensor& 
     for (size_t g = 0; g < kept[m].group_end.size(); ++g)
       groups += kept[m].group_end[g] > (g ? kept[m].group_end[g - 1] : 0);
   }
+#ifdef __AVX2__
+  if (kind == INT8 && kVnni && K < 65536 && x.dtype() == at::kBFloat16)  // fp32 inputs: the exact float sums
+    for (auto& k : kept) quantize_kept(k);
+#endif
   int64_t* counts = kept_count.data_ptr<int64_t>();
   counts[0] += total;
   counts[1] += groups;
-  at::Tensor y = at::empty({M, N}, x.options().dtype(at::kFloat));
+  at::Tensor y = at::empty({M, N}, x.options());
+  at::Tensor b = bias.has_value() ? bias->to(at::kFloat).contiguous() : at::Tensor();
+  TORCH_CHECK(!b.defined() || b.numel() == N, "bias: [N]");
+  const float* bp = b.defined() ? b.data_ptr<float>() : nullptr;
   const uint8_t* W = static_cast<const uint8_t*>(rows.data_ptr());
   const int64_t row_bytes = rows.size(2) * rows.element_size();
-  float* Y = y.data_ptr<float>();
-  if (kind == INT8) run<INT8>(kept, W, parts, K, row_bytes, width, sz, N, Y);
-  else if (kind == BF16) run<BF16>(kept, W, parts, K, row_bytes, width, sz, N, Y);
-  else run<INT4>(kept, W, parts, K, row_bytes, width, sz, N, Y);
-  if (kind == INT8)
-    for (int64_t m = 0; m < M; ++m) {
-      float* out = Y + m * N;
-      for (int64_t c = 0; c < N; ++c) out[c] += kept[m].offset_sum;
-    }
-  if (bias.has_value()) y.add_(*bias);
-  return x.dtype() == at::kFloat ? y : y.to(x.dtype());
+  auto all = [&](auto* Y) {
+    if (kind == INT8) run<INT8>(kept, W, parts, K, row_bytes, width, sz, N, bp, Y);
+    else if (kind == BF16) run<BF16>(kept, W, parts, K, row_bytes, width, sz, N, bp, Y);
+    else run<INT4>(kept, W, parts, K, row_bytes, width, sz, N, bp, Y);
+  };
+  if (x.dtype() == at::kFloat) all(y.data_ptr<float>());
+  else all(y.data_ptr<at::BFloat16>());
+  return y;
 }
 
 TORCH_LIBRARY(tokenhaul_sparse, m) {
