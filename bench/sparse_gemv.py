@@ -1,6 +1,8 @@
 """The gathered (sparse) GEMV against each format's dense GEMV at one bf16 row, over a sweep of sparsities: all
 121 SmolLM2-shaped projections (or 96 Qwen2.5-0.5B-shaped ones) with distinct weights, best of 7, GB/s of what
-each read (the sparse kernels' own count).
+each read (the sparse kernels' own count). A 1 GiB buffer is written before each timed pass, so neither kernel finds
+the other's (or its own last) weights in a large L3 (480 MiB on one Xeon host: without it the gathered kernel read
+1.5x faster after a pass over the same rows).
 
     flock -x /tmp/tokenhaul-bench.lock .venv/bin/python bench/sparse_gemv.py [smol|qwen] [bf16,int8,int4] [0,0.4,0.7]
 """
@@ -28,6 +30,7 @@ def main() -> None:
     formats = (sys.argv[2] if len(sys.argv) > 2 else "int8,int4").split(",")
     sparsities = [float(v) for v in (sys.argv[3] if len(sys.argv) > 3 else "0,0.4,0.7").split(",")]
     shapes = SHAPES[model]
+    flush = torch.zeros(1 << 28)
     print("| kernel | sparsity | dense ms (GB/s) | gathered ms (GB/s) | dense / gathered |\n|---|---|---|---|---|")
     for name in formats:
         dense = [BUILDS[name](torch.randn(o, i) * 0.05) for i, o in shapes]
@@ -39,6 +42,7 @@ def main() -> None:
             best = {"d": 1e9, "s": 1e9}
             for _ in range(7):
                 for key, lins in (("d", dense), ("s", sparse)):
+                    flush.add_(1)
                     t = time.perf_counter()
                     for lin, x in zip(lins, xs):
                         lin(x)
