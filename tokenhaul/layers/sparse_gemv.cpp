@@ -67,9 +67,14 @@ void kept_of(const T* x, int64_t K, float t, Kept& k) {
 }
 
 #ifdef __AVX2__
+#define AVX512 __attribute__((target("avx512f,avx512bw,avx512vl")))
+const bool kWide = [] {  // set at load: read the CPU model first (libgcc's constructor may not have run yet)
+  __builtin_cpu_init();
+  return __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") && __builtin_cpu_supports("avx512vl");
+}();
+
 // the same for bf16 x, 16 channels a step (AVX-512: a compare and two compresses instead of a branch per channel)
-__attribute__((target("avx512f,avx512bw,avx512vl"))) void kept_of_wide(const uint16_t* x, int64_t K, float t,
-                                                                        Kept& k) {
+AVX512 void kept_of_wide(const uint16_t* x, int64_t K, float t, Kept& k) {
   k.idx.resize(K + 16);
   k.w.resize(K + 16);
   int32_t* idx = k.idx.data();
@@ -90,10 +95,6 @@ __attribute__((target("avx512f,avx512bw,avx512vl"))) void kept_of_wide(const uin
   k.idx.resize(j);
   k.w.resize(j);
 }
-const bool kWideFind = [] {
-  __builtin_cpu_init();
-  return __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") && __builtin_cpu_supports("avx512vl");
-}();
 #endif
 
 // one input row's Kept: the kept channels, then int8: w = x · scale and Σ x · offset; int4: each group's end and Σ x
@@ -101,7 +102,7 @@ template <typename T>
 void find_kept(const T* x, int64_t K, float t, Kind kind, const float* so, int64_t G, Kept& k) {
 #ifdef __AVX2__
   if constexpr (!std::is_same_v<T, float>)
-    if (kWideFind) kept_of_wide(x, K, t, k); else kept_of(x, K, t, k);
+    if (kWide) kept_of_wide(x, K, t, k); else kept_of(x, K, t, k);
   else kept_of(x, K, t, k);
 #else
   kept_of(x, K, t, k);
@@ -199,8 +200,6 @@ inline void pass(const uint8_t* const* r, const float* w, int64_t n, float* acc)
 }
 
 #ifdef __AVX2__
-#define AVX512 __attribute__((target("avx512f,avx512bw,avx512vl")))
-
 // The same sums 16 lanes wide (hosts with AVX-512: Zen 4 and 5, Sapphire Rapids): int4's unpacking bound the AVX2
 // pass (+18-35 % on Zen 5); int8 rows gain ~5 % (bound by how the rows are read: bench/RESULTS.md "Sparsity on an
 // AMD EPYC Zen 5 host"). Each column's products are added in the same order as there: the same fp32 sums.
@@ -263,11 +262,6 @@ AVX512 void pass512(const uint8_t* const* r, const float* w, int64_t n, float* a
     pass<K, R>(rest, w, n - c, acc + c);
   }
 }
-
-const bool kWide = [] {  // set at load: read the CPU model first (libgcc's constructor may not have run yet)
-  __builtin_cpu_init();
-  return __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") && __builtin_cpu_supports("avx512vl");
-}();
 #endif
 
 template <Kind K, int R>
@@ -280,10 +274,7 @@ inline void pass_best(const uint8_t* const* r, const float* w, int64_t n, float*
 
 #ifdef __AVX2__
 #define VNNI __attribute__((target("avx512f,avx512bw,avx512vl,avx512vnni")))
-const bool kVnni = [] {
-  __builtin_cpu_init();
-  return kWide && __builtin_cpu_supports("avx512vnni");
-}();
+const bool kVnni = kWide && __builtin_cpu_supports("avx512vnni");  // kWide read the CPU model first
 
 // Kept::hi / lo / qscale from w (see there); the int32 sums cannot overflow below 2^16 kept rows (a lane grows by
 // < 4 · 255 · 128 per quad)
