@@ -62,6 +62,10 @@ def test_linear_curve_times_the_engine_kernel_on_the_device(fmt, tmp_path, monke
     assert times(fmt, 64, 32, 4) == pytest.approx(1e-5 + 3 / 7 * 1e-5)
     key = f"{cal.machine_key('cpu')} | linear | {fmt} | 64x32 | kernels {kernels.kernels_version()}"
     assert cal.load_entry(key, tmp_path)["curve"] == [[1, 1e-5], [8, 2e-5]]  # a kernel change times it again
+    monkeypatch.setattr(kernels, "measure_curve", lambda f, o, i, device, span: [(1, 2e-5), (8, 1e-5)])
+    times.refresh()  # timed again: per row count the faster of the two passes, kept and stored
+    assert times(fmt, 64, 32, 8) == pytest.approx(1e-5) and times(fmt, 64, 32, 1) == pytest.approx(1e-5)
+    assert cal.load_entry(key, tmp_path)["curve"] == [[1, 1e-5], [8, 1e-5]]
 
 
 def test_host_link_copies_both_ways():
