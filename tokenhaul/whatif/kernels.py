@@ -154,7 +154,7 @@ class LinearTimes:
         return self._curves[key]
 
     def refresh(self) -> None:
-        """Time every curve used so far again and keep, per row count, the faster of the two (stored): on a shared
+        """Time every curve used so far again and keep, per row count, the fastest pass so far (stored): on a shared
         host a curve timed once can catch a slow spell at some row counts; the best of passes minutes apart does not."""
         for key, (fmt, out, in_, span) in self._shapes.items():
             again = dict(measure_curve(fmt, out, in_, self.device, span=span))
