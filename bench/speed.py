@@ -60,7 +60,7 @@ def prefill_512(llm: LLM) -> float:
     return 512 / wall
 
 
-def tokenhaul_row(llm: LLM, new: int, batches: list[int], bandwidth: float) -> dict:
+def tokenhaul_row(llm: LLM, new: int, batches: list[int]) -> dict:
     """The multi-stream figures and the ledger's DRAM bytes per token (batch-1 decode and prefill: `rounds`)."""
     timed(llm, [synthetic_prompt(64)], 4)  # warm up
     _, s = decode_1(llm, new)
@@ -121,7 +121,7 @@ def main() -> None:
             load_s = time.perf_counter() - t0
             gguf = llm.files.gguf_path
             compiled = llm.core.runner.compiled
-            th = tokenhaul_row(llm, args.new_tokens, batches if last else [], roof.bandwidth)
+            th = tokenhaul_row(llm, args.new_tokens, batches if last else [])
             seen = rounds(llm, gguf, args.new_tokens, args.threads, args.repeats, prefill=last)
             for engine, row in (("tokenhaul", th), ("llama.cpp", lc_row)):
                 for key in seen[0][engine]:
