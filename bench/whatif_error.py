@@ -13,9 +13,10 @@ same ones as the runs to be predicted): the calibration measures whatever wait p
 Measured: the real engine's ledger (prefill: tokens / seconds of prefill steps; TPOT: the fastest decode step of
 the whole batch, engine stages). Predicted: whatif.workload.predict from the model's config alone (no weights read)
 on the `this-machine` (or `this-machine-cuda`) profile measured at the start of the run. Both sides are the best
-of `--rounds` passes over the whole grid (fresh prompts each pass), the linear curves timed again before each pass
-after the first (`LinearTimes.refresh`, per row count the faster): on a shared host one pass can catch a slow spell
-of the memory bus (36-75 GB/s a second apart on one VM) on either side, passes minutes apart rarely all do.
+of `--rounds` passes over the whole grid (fresh prompts each pass), the linear curves timed again before each
+pass after the first (`LinearTimes.refresh`, per row count the fastest pass): on a shared host one pass can catch a
+slow spell of the memory bus (36-75 GB/s a second apart on one VM) on either side, passes minutes apart rarely all
+do.
 Prints one row per point and the MAPE."""
 
 from __future__ import annotations
@@ -67,6 +68,13 @@ def full_batch_tpot(w: Workload, hw) -> float:
     return sum(times) / len(times) if times else predict(w, hw).tpot_s
 
 
+def workload(engine: tuple, quant: str, batch: int, ctx: int, new_tokens: int) -> Workload:
+    """The grid point as the what-if model sees it, with the scheduler limits of `engine` (name, config, LLM)."""
+    name, cfg, llm = engine
+    return Workload(name, cfg, batch, ctx, new_tokens, quant, "bf16",
+                    max_batched_tokens=llm.config.max_num_batched_tokens, block_size=llm.config.block_size)
+
+
 def engine_kwargs(quant: str, device: str) -> dict:
     """bf16 / fp32: dense weights at that dtype (quantization none); int8 / int4: packed, bf16 activations.
     Eager steps throughout: `this-machine`'s overheads are fitted on the eager engine, and a compiled
@@ -109,11 +117,10 @@ def main() -> None:
                 llm = LLM(model, **engine_kwargs(quant, args.device))
                 llm.generate("Warm up the kernels.", SamplingParams(max_tokens=2))
                 engines[model, quant] = (name, cfg, llm)
-            name, cfg, llm = engines[model, quant]
-            w = Workload(name, cfg, batch, ctx, args.new_tokens, quant, "bf16",
-                         max_batched_tokens=llm.config.max_num_batched_tokens, block_size=llm.config.block_size)
+            w = workload(engines[model, quant], quant, batch, ctx, args.new_tokens)
             full_batch_tpot(w, hw)  # the first pass times the curves it needs here, between the engine's points
-            pre, tpot = measure(llm, batch, ctx, args.new_tokens, batch * 1000 + ctx + 7919 * r, args.repeats)
+            seed = batch * 1000 + ctx + 7919 * r  # fresh prompts each pass (no prefix cache hits)
+            pre, tpot = measure(engines[model, quant][2], batch, ctx, args.new_tokens, seed, args.repeats)
             old_pre, old_tpot = measured.get((model, quant, batch, ctx), (0.0, float("inf")))
             measured[model, quant, batch, ctx] = (max(pre, old_pre), min(tpot, old_tpot))
         print(f"pass {r + 1} of {args.rounds} done at {time.perf_counter() - t0:.0f} s", flush=True)
@@ -121,9 +128,7 @@ def main() -> None:
     print("|---|---|---|---|---|---|---|---|---|---|")
     errs, rows = [], []
     for model, quant, batch, ctx in grid:
-        name, cfg, llm = engines[model, quant]
-        w = Workload(name, cfg, batch, ctx, args.new_tokens, quant, "bf16",
-                     max_batched_tokens=llm.config.max_num_batched_tokens, block_size=llm.config.block_size)
+        w = workload(engines[model, quant], quant, batch, ctx, args.new_tokens)
         pred, pred_tpot = predict(w, hw), full_batch_tpot(w, hw)
         pre, tpot = measured[model, quant, batch, ctx]
         e_pre, e_tpot = pred.prefill_tokens_per_s / pre - 1, pred_tpot / tpot - 1
