@@ -144,6 +144,18 @@ def test_int4_kernel_matches_float_reference(n, k_groups, m, group, bias, seed):
 @given(n=st.integers(1, 300), k_groups=st.integers(1, 9), m=st.integers(1, 9), group=st.sampled_from([32, 64, 128]),
        threads=st.sampled_from([1, 2, 3]), seed=st.integers(0, 2**16))
 def test_int4_gemv_matches_float_reference(n, k_groups, m, group, threads, seed):
+    check_int4_gemv(n, k_groups, m, group, threads, seed)
+
+
+@pytest.mark.parametrize("threads", [1, 2, 3])
+@pytest.mark.parametrize("m", [1, 5])
+def test_int4_gemv_large_weight_cut_in_parts(m, threads):
+    """A weight of over 1 MB of codes (RANGES_FROM in int4_gemv.cpp) takes the path where each thread walks its
+    share as parts: the same accuracy and the same row-alone = row-in-batch results as small ones."""
+    check_int4_gemv(2112, 16, m, 64, threads, seed=m * 10 + threads)
+
+
+def check_int4_gemv(n: int, k_groups: int, m: int, group: int, threads: int, seed: int) -> None:
     """The C++ GEMV (int4_gemv.cpp) against x @ dequant^T in fp64: with fp32 activations and output,
     |error| <= 1e-4 * sum |x_i w_i| — fp32 rounding of per-group sums of codes, the low nibbles' sum taken as a
     difference of sums of bytes up to 255 (worst seen 1.3e-5); with bf16 activations and output, bf16 rounding
