@@ -1,8 +1,9 @@
 """Variants of a C++ GEMV side by side in one process: the int8, int4 or gathered (sparse-int8: activation
 sparsity, `--kept` of the inputs over the threshold, GB/s of the rows it reads) kernel built from a git revision's
-source or from the working tree, with -D flags, timed interleaved over Qwen2.5-0.5B-shaped layers with random
-weights (~700 MB by default: beyond a 300 MiB L3), 2 threads. Prints GB/s (best and median) and the largest
-output difference between the variants (0 where a change must not move a bit).
+source or from the working tree, with -D flags, timed interleaved over Qwen2.5-0.5B- or SmolLM2-shaped layers
+(`--shapes`) with random weights called in model order (~700 MB by default: beyond a 300 MiB L3), 2 threads.
+Prints GB/s (best and median) for the whole sequence and per shape, and the largest output difference between
+the variants (0 where a change must not move a bit).
 
     flock -x /tmp/tokenhaul-bench.lock .venv/bin/python bench/gemv_variants.py --kernel int8 \\
         main=@HEAD~1 now=. runs2=.:-DSTREAMS=2
@@ -23,12 +24,14 @@ import torch
 from torch.utils.cpp_extension import load
 
 from tokenhaul.layers.linear_int4 import block_n
+from tokenhaul.layers.linear_sparse import in_parts, part_width
 
 ROOT = Path(__file__).resolve().parent.parent
 SOURCES = {"int8": "tokenhaul/layers/int8_gemv.cpp", "int4": "tokenhaul/layers/int4_gemv.cpp",
            "sparse-int8": "tokenhaul/layers/sparse_gemv.cpp"}
 NAMESPACES = {"int8": "tokenhaul_int8", "int4": "tokenhaul_int4", "sparse-int8": "tokenhaul_sparse"}
-SHAPES = [(1152, 896), (896, 896), (9728, 896), (896, 4864)]  # qkv, o, gate_up, down
+SHAPES = {"qwen2.5-0.5b": [(1152, 896), (896, 896), (9728, 896), (896, 4864)],  # qkv, o, gate_up, down
+          "smollm2-135m": [(960, 576), (576, 576), (3072, 576), (576, 1536)]}
 
 
 def build(kernel: str, name: str, spec: str, workdir: Path):
@@ -45,18 +48,19 @@ def build(kernel: str, name: str, spec: str, workdir: Path):
     return getattr(torch.ops, namespace).gemv
 
 
-def weights(kernel: str, megabytes: float, rows: int, kept: float) -> list[tuple]:
-    """Distinct random layers until `megabytes`; each entry is the op's arguments after x."""
-    per_layer = sum(n * k for n, k in SHAPES) * (0.625 if kernel == "int4" else 1)
+def weights(kernel: str, shapes: list[tuple[int, int]], megabytes: float, rows: int, kept: float,
+            threads: int) -> list[tuple]:
+    """Distinct random layers until `megabytes`, in model order; each entry is the op's arguments."""
+    per_layer = sum(n * k for n, k in shapes) * (0.625 if kernel == "int4" else 1)
     layers = max(1, int(megabytes * 1e6 / per_layer))
     out = []
     for _ in range(layers):
-        for n, k in SHAPES:
+        for n, k in shapes:
             x = torch.randn(rows, k).bfloat16()
-            if kernel == "sparse-int8":  # weight by input channel [k, n], fp32 (scale, offset) per channel
+            if kernel == "sparse-int8":  # by input channel, in parts [P, k, w]; fp32 (scale, offset) per channel
                 threshold = torch.distributions.Normal(0.0, 1.0).icdf(torch.tensor(0.5 + (1 - kept) / 2)).item()
-                out.append((x, threshold, torch.randint(0, 256, (k, n), dtype=torch.uint8),
-                            torch.rand(k, 2) * 0.01, n, 0, None, torch.zeros(2, dtype=torch.long)))
+                parts = in_parts(torch.randint(0, 256, (k, n), dtype=torch.uint8), part_width(n, threads))
+                out.append((x, threshold, parts, torch.rand(k, 2) * 0.01, n, 0, None, torch.zeros(2, dtype=torch.long)))
             elif kernel == "int8":
                 out.append((x, torch.randint(-128, 128, (n, k), dtype=torch.int8), torch.rand(n).bfloat16() * 0.01))
             else:
@@ -74,28 +78,42 @@ def main() -> None:
     ap.add_argument("--megabytes", type=float, default=700)
     ap.add_argument("--passes", type=int, default=7)
     ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--shapes", choices=sorted(SHAPES), default="qwen2.5-0.5b", help="the layer's linears")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     with tempfile.TemporaryDirectory() as tmp:
         ops = {name: build(args.kernel, name, spec, Path(tmp))
                for name, spec in (v.split("=", 1) for v in args.variants)}
-    calls = weights(args.kernel, args.megabytes, args.rows, args.kept)
-    nbytes = sum(sum(t.numel() * t.element_size() for t in c[1:3] if isinstance(t, torch.Tensor)) for c in calls)
-    if args.kernel.startswith("sparse"):  # the bytes the kernel reads: its kept rows
-        nbytes = sum((c[2].numel() + c[3].numel() * 4) * (c[0].float().abs() >= c[1]).float().mean().item()
-                     for c in calls)
-    times = {name: [] for name in ops}
+    shapes = SHAPES[args.shapes]
+    calls = weights(args.kernel, shapes, args.megabytes, args.rows, args.kept, args.threads)
+
+    def read(c: tuple) -> float:  # the bytes a call reads (gathered: its kept rows)
+        if args.kernel.startswith("sparse"):
+            return (c[2].numel() + c[3].numel() * 4) * (c[0].float().abs() >= c[1]).float().mean().item()
+        return sum(t.numel() * t.element_size() for t in c[1:3] if isinstance(t, torch.Tensor))
+
+    nbytes = [sum(read(c) for c in calls[i::len(shapes)]) for i in range(len(shapes))]
+    times = {name: [] for name in ops}  # per pass: seconds per shape
+    clock = time.perf_counter
     for _ in range(args.passes):
         for name, op in ops.items():  # interleaved: the host's drift hits every variant alike
-            t = time.perf_counter()
-            for c in calls:
+            spent = [0.0] * len(shapes)
+            for i, c in enumerate(calls):
+                t = clock()
                 op(*c)
-            times[name].append(time.perf_counter() - t)
-    print(f"{args.kernel} GEMV, {args.rows} row(s), {len(calls)} linears, {nbytes / 1e6:.0f} MB, "
-          f"{args.threads} threads, {args.passes} passes")
-    print("| variant | best GB/s | median GB/s |\n|---|---|---|")
-    for name, ts in times.items():
-        print(f"| {name} | {nbytes / min(ts) / 1e9:.1f} | {nbytes / statistics.median(ts) / 1e9:.1f} |")
+                spent[i % len(shapes)] += clock() - t
+            times[name].append(spent)
+    print(f"{args.kernel} GEMV, {args.shapes} linears in model order, {args.rows} row(s), {len(calls)} calls, "
+          f"{sum(nbytes) / 1e6:.0f} MB, {args.threads} threads, {args.passes} passes; GB/s best / median")
+    print("| variant | all | " + " | ".join(f"{n} × {k}" for n, k in shapes) + " |")
+    print("|---|---|" + "---|" * len(shapes))
+    for name, passes in times.items():
+        totals = [sum(p) for p in passes]
+        cells = [f"{sum(nbytes) / min(totals) / 1e9:.1f} / {sum(nbytes) / statistics.median(totals) / 1e9:.1f}"]
+        for i in range(len(shapes)):
+            ts = [p[i] for p in passes]
+            cells.append(f"{nbytes[i] / min(ts) / 1e9:.1f} / {nbytes[i] / statistics.median(ts) / 1e9:.1f}")
+        print(f"| {name} | " + " | ".join(cells) + " |")
     outs = [op(*calls[0]).float() for op in ops.values()]
     print(f"largest difference between variants: {max((o - outs[0]).abs().max().item() for o in outs):g}")
 
