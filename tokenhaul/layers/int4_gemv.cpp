@@ -31,7 +31,7 @@
 #endif
 
 #ifndef RANGES  // parts per thread walked together, a unit of each in turn: more streams in flight per core
-#define RANGES 2   // Zen 5, from DRAM: 9728 x 896 +12-18 %, 896 x 4864 +5-15 %, 896 x 896 -2..-10 % (RANGES_FROM)
+#define RANGES 2   // Zen 5, from DRAM: 9728 x 896 +8-18 %, 896 x 4864 +2-15 %, 896 x 896 -2..-10 % (RANGES_FROM)
 #endif
 #ifndef RANGES_FROM
 #define RANGES_FROM (1 << 20)  // bytes of codes from which a thread's share is cut in RANGES
