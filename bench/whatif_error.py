@@ -128,6 +128,7 @@ def main() -> None:
     print("|---|---|---|---|---|---|---|---|---|---|")
     errs, rows = [], []
     for model, quant, batch, ctx in grid:
+        name = engines[model, quant][0]
         w = workload(engines[model, quant], quant, batch, ctx, args.new_tokens)
         pred, pred_tpot = predict(w, hw), full_batch_tpot(w, hw)
         pre, tpot = measured[model, quant, batch, ctx]
