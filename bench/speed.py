@@ -180,10 +180,10 @@ def table(res: dict) -> str:
             comp = f", compile {m['compile_s']:.1f} s" if m["compile_s"] else ""
             lines.append(f"| {model} | decode 1, --compile {mode} (load {m['load_s']:.1f} s{comp}) | "
                          f"{m['decode_1']:.1f} | {lc:.1f} | {m['decode_1'] / lc:.2f}× | | |")
-        per_round = ", ".join(f"{f:.0%}" for f in t.get("roofline_fraction_1_rounds", []))
+        per_round = ", ".join(f"{f:.0%}" for f in t["roofline_fraction_1_rounds"])
         lines.append(f"| {model} | roofline fraction, batch 1: median of rounds, each round's decode ÷ the read "
                      f"bandwidth measured in it ({per_round}); best round ÷ the calibration "
-                     f"{t.get('roofline_fraction_1_calibrated', t['roofline_fraction_1']):.0%} | "
+                     f"{t['roofline_fraction_1_calibrated']:.0%} | "
                      f"{t['roofline_fraction_1']:.0%} ({t['dram_bytes_per_token'] / 1e6:.0f} MB/token) | | | | |")
     return "\n".join(lines)
 
