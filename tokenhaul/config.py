@@ -78,8 +78,6 @@ class EngineConfig:
             return "the compiled decode step runs on the CPU only"
         if self.deterministic:
             return "cannot be combined with --deterministic (the compiled step's kernels differ from the eager ones)"
-        if self.kv_dtype == "int8":
-            return "not with --kv-dtype int8"
         if not any(shutil.which(c) for c in ("g++", "c++", "clang++")):
             return "needs a C++ compiler on PATH (g++)"
         return None

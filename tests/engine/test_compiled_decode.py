@@ -21,23 +21,27 @@ pytestmark = pytest.mark.skipif(EngineConfig(compile="off").compile_blocker is n
                                 reason="no C++ compiler for inductor")
 
 
-def compiled_core(arch: str, quant: str, sparsity: float = 0.0) -> EngineCore:
+def compiled_core(arch: str, quant: str, sparsity: float = 0.0, kv_dtype: str = "auto") -> EngineCore:
     make = LinearFactory(QuantSpec.parse(quant), torch.bfloat16)
     model = tiny_model(arch, make=make)
     if sparsity:  # every projection and the lm_head gathers the inputs over a small threshold
         keys = [f"blk.{i}.{n}" for i in range(len(model.layers)) for n in SPARSE_LINEARS] + ["lm_head"]
         sparsify(model, dict.fromkeys(keys, 0.02), sparsity)
-    cfg = EngineConfig(model="tiny", dtype="bf16", compile="on", num_kv_blocks=32, block_size=4, sparsity=sparsity)
+    cfg = EngineConfig(model="tiny", dtype="bf16", compile="on", num_kv_blocks=32, block_size=4, sparsity=sparsity,
+                       kv_dtype=kv_dtype)
     return EngineCore(cfg, model)
 
 
-@pytest.mark.parametrize("arch,quant,sparsity", [("llama", "int4", 0.0), ("llama", "int8", 0.0),
-                                                 ("gemma3", "none", 0.0), ("llama", "int4", 0.4)])
-def test_compiled_step_matches_eager(arch, quant, sparsity):
+@pytest.mark.parametrize("arch,quant,sparsity,kv_dtype", [
+    ("llama", "int4", 0.0, "auto"), ("llama", "int8", 0.0, "auto"), ("gemma3", "none", 0.0, "auto"),
+    ("llama", "int4", 0.4, "auto"), ("llama", "int4", 0.0, "int8"), ("gemma3", "none", 0.0, "int8")])
+def test_compiled_step_matches_eager(arch, quant, sparsity, kv_dtype):
     """Each compiled batch-1 decode step is re-run eagerly on the same state; the logits agree. gemma3's
     sliding window (6) is crossed, and contexts span 3 to 8 blocks of 4. Sparse linears run their gathered
-    kernel inside the graph, and its count of kept inputs (the ledger's check) still advances there."""
-    core = compiled_core(arch, quant, sparsity)
+    kernel inside the graph, and its count of kept inputs (the ledger's check) still advances there. An int8
+    KV cache is written (quantized) and read by the int8 decode kernel inside the graph."""
+    core = compiled_core(arch, quant, sparsity, kv_dtype)
+    assert core.kv.dtype == (torch.int8 if kv_dtype == "int8" else torch.bfloat16)
     sparse = [v for layer in core.runner.model.layers for v in vars(layer).values() if isinstance(v, SparseLinear)]
     assert len(sparse) == (4 * len(core.runner.model.layers) if sparsity else 0)
     runner = core.runner
@@ -103,4 +107,4 @@ def test_compile_modes_are_checked():
     with pytest.raises(TokenhaulError, match="--deterministic"):
         EngineConfig(compile="on", deterministic=True)
     assert not EngineConfig(compile="auto", dtype="fp32").compiled_decode  # fp32 is the exact path
-    assert not EngineConfig(compile="auto", kv_dtype="int8").compiled_decode
+    assert EngineConfig(compile="auto", kv_dtype="int8").compiled_decode  # the graph calls the int8 KV kernel

@@ -30,6 +30,7 @@ from pathlib import Path
 import torch
 
 from tokenhaul.config import EngineConfig
+from tokenhaul.kv import int8_attention
 from tokenhaul.kv.cache import KVCache
 from tokenhaul.layers.attention import AttentionMetadata, AttnGroup
 from tokenhaul.models.registry import Model
@@ -94,9 +95,11 @@ class CompiledDecode:
         touched but for block 0: `empty`, so its untouched pages are never made resident)."""
         t0 = time.perf_counter()
         kv = self.kv
+        if kv.dtype == torch.int8 and not int8_attention.available():  # the graph calls its op: build it first
+            raise RuntimeError("the int8 KV decode kernel did not build")
         scratch = KVCache.like(kv, torch.empty)
         for B, path in self.paths.items():
-            dev = kv.k[0].device
+            dev = kv.device
             ids, positions, slots = (torch.zeros(B, dtype=torch.long, device=dev) for _ in range(3))  # not aliased
             table = torch.zeros(B, 2, dtype=torch.long, device=dev)
             torch._dynamo.mark_dynamic(table, 1)

@@ -23,7 +23,7 @@ class KVCache:
 
         def make() -> KVLayer:
             if dtype == torch.int8:
-                return Int8Blocks(*shape, device)
+                return Int8Blocks(*shape, device, alloc)
             return alloc(shape, dtype=dtype, device=device)
 
         self.k: list[KVLayer] = [make() for _ in range(num_layers)]

@@ -27,9 +27,9 @@ class Int8Blocks:
     """[num_blocks, block_size, Hkv, D] int8 values and [num_blocks, block_size, Hkv] scales."""
 
     def __init__(self, num_blocks: int, block_size: int, num_kv_heads: int, head_dim: int,
-                 device: str | torch.device) -> None:
-        self.data = torch.zeros((num_blocks, block_size, num_kv_heads, head_dim), dtype=torch.int8, device=device)
-        self.scale = torch.zeros((num_blocks, block_size, num_kv_heads), dtype=SCALE_DTYPE, device=device)
+                 device: str | torch.device, alloc=torch.zeros) -> None:
+        self.data = alloc((num_blocks, block_size, num_kv_heads, head_dim), dtype=torch.int8, device=device)
+        self.scale = alloc((num_blocks, block_size, num_kv_heads), dtype=SCALE_DTYPE, device=device)
 
     @staticmethod
     def bytes_per_value(head_dim: int) -> float:
@@ -39,6 +39,10 @@ class Int8Blocks:
     @property
     def shape(self) -> torch.Size:
         return self.data.shape
+
+    @property
+    def device(self) -> torch.device:
+        return self.data.device
 
     def write(self, slots: torch.Tensor, x: torch.Tensor) -> None:
         """x: [T, Hkv, D] quantized into flat cache slots [T]."""

@@ -74,8 +74,9 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
         mask = g.mask_local if sliding else g.mask
         if fold and meta.traced and isinstance(k_cache, torch.Tensor):
             o = _decode_traced(qg, k_cache, v_cache, g, mask, scale)
-        elif fold and isinstance(k_cache, Int8Blocks) and int8_attention.available():
-            # int8 decodes read the int8 blocks through the table, scales applied inside: no float copy
+        elif fold and isinstance(k_cache, Int8Blocks) and (meta.traced or int8_attention.available()):
+            # int8 decodes read the int8 blocks through the table, scales applied inside: no float copy (a
+            # compiled graph calls the op too; it is built before tracing: engine/compiled_decode.py)
             o = int8_attention.decode_int8(qg.view(g.batch, Hkv, H // Hkv, D), k_cache.data, k_cache.scale,
                                            v_cache.data, v_cache.scale, g.block_table, mask, scale)
             o = o.reshape(g.batch, H * D).to(q.dtype)
