@@ -1,4 +1,4 @@
-"""The engine's small C++ ops (kv/int8_attention.cpp, layers/sparse_gemv.cpp, layers/int4_dequant.cpp): built
+"""The engine's small C++ ops (kv/decode_attention.cpp, layers/sparse_gemv.cpp, layers/int4_dequant.cpp): built
 on first use with torch.utils.cpp_extension (~25 s on 2 cores, g++ and torch's headers), cached per machine in
 TORCH_EXTENSIONS_DIR, registered as torch ops (so a compiled graph can call them). Without a compiler the
 callers keep their pure-torch path; one stderr line says so.

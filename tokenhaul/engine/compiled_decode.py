@@ -30,7 +30,7 @@ from pathlib import Path
 import torch
 
 from tokenhaul.config import EngineConfig
-from tokenhaul.kv import int8_attention
+from tokenhaul.kv import decode_attention
 from tokenhaul.kv.cache import KVCache
 from tokenhaul.layers.attention import AttentionMetadata, AttnGroup
 from tokenhaul.models.registry import Model
@@ -95,8 +95,8 @@ class CompiledDecode:
         touched but for block 0: `empty`, so its untouched pages are never made resident)."""
         t0 = time.perf_counter()
         kv = self.kv
-        if kv.dtype == torch.int8 and not int8_attention.available():  # the graph calls its op: build it first
-            raise RuntimeError("the int8 KV decode kernel did not build")
+        if kv.dtype in (torch.int8, torch.bfloat16) and not decode_attention.available():  # the graph calls it
+            raise RuntimeError("the KV decode kernel did not build")
         scratch = KVCache.like(kv, torch.empty)
         for B, path in self.paths.items():
             dev = kv.device

@@ -12,7 +12,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from tokenhaul.kv import int8_attention
+from tokenhaul.kv import decode_attention
 from tokenhaul.kv.int8 import Int8Blocks
 
 
@@ -61,8 +61,9 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                     meta: AttentionMetadata, scale: float, sliding: bool) -> torch.Tensor:
     """q: [T, H, D]; k, v: [T, Hkv, D]; caches: [num_blocks, block_size, Hkv, D].
     Writes the step's K/V into their slots, then gathers whole blocks per sequence. Returns [T, H*D].
-    Int8 caches (kv/int8.py) quantize on write; decodes read them with kv/int8_attention.py's kernel (no
-    float copy), prefill chunks dequantize the step's blocks on read."""
+    Int8 caches (kv/int8.py) quantize on write; decodes read them with kv/decode_attention.py's kernel (no
+    float copy), prefill chunks dequantize the step's blocks on read. Inside the compiled decode graph bf16
+    caches are read by the same kernel."""
     Hkv = k_cache.shape[2]
     _write(k_cache, meta.slot_mapping, k)
     _write(v_cache, meta.slot_mapping, v)
@@ -72,13 +73,18 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
         qg = q if g.token_index is None else q[g.token_index]
         fold = g.q_len == 1 and not meta.per_query
         mask = g.mask_local if sliding else g.mask
-        if fold and meta.traced and isinstance(k_cache, torch.Tensor):
+        if fold and meta.traced and isinstance(k_cache, torch.Tensor) and k_cache.dtype == torch.bfloat16:
+            # the compiled graph reads bf16 blocks through the table with the C++ kernel (built before tracing:
+            # engine/compiled_decode.py): 2x inductor's fused reductions at 4 k keys (bench/bytes.py)
+            o = decode_attention.decode_bf16(qg.view(g.batch, Hkv, H // Hkv, D), k_cache, v_cache, g.block_table,
+                                             mask, scale).reshape(g.batch, H * D).to(q.dtype)
+        elif fold and meta.traced and isinstance(k_cache, torch.Tensor):
             o = _decode_traced(qg, k_cache, v_cache, g, mask, scale)
-        elif fold and isinstance(k_cache, Int8Blocks) and (meta.traced or int8_attention.available()):
+        elif fold and isinstance(k_cache, Int8Blocks) and (meta.traced or decode_attention.available()):
             # int8 decodes read the int8 blocks through the table, scales applied inside: no float copy (a
-            # compiled graph calls the op too; it is built before tracing: engine/compiled_decode.py)
-            o = int8_attention.decode_int8(qg.view(g.batch, Hkv, H // Hkv, D), k_cache.data, k_cache.scale,
-                                           v_cache.data, v_cache.scale, g.block_table, mask, scale)
+            # compiled graph calls the op too)
+            o = decode_attention.decode_int8(qg.view(g.batch, Hkv, H // Hkv, D), k_cache.data, k_cache.scale,
+                                             v_cache.data, v_cache.scale, g.block_table, mask, scale)
             o = o.reshape(g.batch, H * D).to(q.dtype)
         else:
             o = _sdpa(qg, g, k_cache, v_cache, mask, scale, fold, meta.per_query)

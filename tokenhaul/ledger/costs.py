@@ -197,7 +197,7 @@ def step_costs(mc: ModelCosts, chunks: list[tuple[int, int]], num_sampled: int,
     if T == 0:
         return StepCosts()
     gathered = 0  # slots gathered per layer for K (and as many for V)
-    direct = 0  # int8 decode slots: kv/int8_attention.py reads them in place, dequantizing in registers
+    direct = 0  # int8 decode slots: kv/decode_attention.py reads them in place, dequantizing in registers
     attn = 0  # Σ queries × keys computed
     meta = mask_alias = pad = 0
     for n, ends in attn_groups:

@@ -1,10 +1,10 @@
-// Decode attention straight from an int8 paged KV cache (tokenhaul/kv/int8_attention.py builds this).
+// Decode attention straight from a paged KV cache, int8 or bf16 (tokenhaul/kv/decode_attention.py builds this).
 //
-// One query group per (sequence, KV head): the G query heads sharing a KV head read each key once. Keys
-// and values stay int8 in the cache; each 16-key block is converted to fp32 in an L1 buffer on the way in
-// and its per-token scale is applied to the score (K) or the softmax weight (V), so no full-precision
-// copy of the cache is ever written. Keys are split into chunks across threads (online softmax per chunk,
-// merged at the end), so a single sequence still uses every thread.
+// One query group per (sequence, KV head): the G query heads sharing a KV head read each key once, through the
+// block table, in place. Each 16-key block is converted to fp32 in an L1 buffer on the way in; int8 blocks' per-token
+// scales are applied to the score (K) or the softmax weight (V), so no full-precision copy of the cache is ever
+// written. Keys are split into chunks across threads (online softmax per chunk, merged at the end), so a single
+// sequence still uses every thread.
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 
@@ -50,6 +50,18 @@ static inline void to_float(const int8_t* src, float* dst, int64_t D) {
                                   _mm_loadl_epi64(reinterpret_cast<const __m128i*>(src + d)))));
 #endif
   for (; d < D; ++d) dst[d] = static_cast<float>(src[d]);
+}
+
+// bf16 row (raw bits) → fp32: the bits moved to the high half
+static inline void to_float(const uint16_t* src, float* dst, int64_t D) {
+  int64_t d = 0;
+#ifdef __AVX2__
+  for (; d + 8 <= D; d += 8)
+    _mm256_storeu_ps(dst + d, _mm256_castsi256_ps(_mm256_slli_epi32(
+                                  _mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(src + d))),
+                                  16)));
+#endif
+  for (; d < D; ++d) dst[d] = c10::BFloat16(src[d], c10::BFloat16::from_bits());
 }
 
 // s[t] = q · kf[t] for n keys (kf: n rows of D floats)
@@ -109,16 +121,14 @@ static inline void exps(float* s, int64_t n, float m) {
   for (; t < n; ++t) s[t] = std::exp(s[t] - m);
 }
 
-// q [B, Hkv, G, D] fp32; kd, vd [N, bs, Hkv, D] int8; ks, vs [N, bs, Hkv] fp32; table [B, nb] int64;
-// mask [B, nb * bs] bool, or empty for all keys visible. Returns [B, Hkv, G, D] fp32.
-at::Tensor decode_int8(const at::Tensor& q, const at::Tensor& kd, const at::Tensor& ks, const at::Tensor& vd,
-                       const at::Tensor& vs, const at::Tensor& table, const at::Tensor& mask, double scale,
-                       int64_t chunk_blocks) {
+// q [B, Hkv, G, D] fp32; K, V [N, bs, Hkv, D] of E (int8, or bf16 bits); KS, VS [N, bs, Hkv] fp32 scales (int8;
+// null for bf16); table [B, nb] int64; mask [B, nb * bs] bool, or empty for all keys visible. Returns
+// [B, Hkv, G, D] fp32.
+template <typename E>
+at::Tensor decode(const at::Tensor& q, const at::Tensor& kd, const E* K, const float* KS, const E* V,
+                  const float* VS, const at::Tensor& table, const at::Tensor& mask, double scale,
+                  int64_t chunk_blocks) {
   TORCH_CHECK(q.dtype() == at::kFloat && q.is_contiguous() && q.dim() == 4, "q: contiguous fp32 [B, Hkv, G, D]");
-  TORCH_CHECK(kd.dtype() == at::kChar && vd.dtype() == at::kChar && kd.is_contiguous() && vd.is_contiguous(),
-              "kd, vd: contiguous int8 [N, bs, Hkv, D]");
-  TORCH_CHECK(ks.dtype() == at::kFloat && vs.dtype() == at::kFloat && ks.is_contiguous() && vs.is_contiguous(),
-              "ks, vs: contiguous fp32 [N, bs, Hkv]");
   TORCH_CHECK(table.dtype() == at::kLong && table.is_contiguous(), "table: contiguous int64 [B, nb]");
   const int64_t B = q.size(0), H = q.size(1), G = q.size(2), D = q.size(3);
   const int64_t bs = kd.size(1), nb = table.size(1), L = nb * bs;
@@ -127,10 +137,6 @@ at::Tensor decode_int8(const at::Tensor& q, const at::Tensor& kd, const at::Tens
               "mask: contiguous bool [B, nb * bs] or empty");
   const int64_t nchunks = std::max<int64_t>(1, (nb + chunk_blocks - 1) / chunk_blocks);
   const float* Q = q.data_ptr<float>();
-  const int8_t* K = kd.data_ptr<int8_t>();
-  const int8_t* V = vd.data_ptr<int8_t>();
-  const float* KS = ks.data_ptr<float>();
-  const float* VS = vs.data_ptr<float>();
   const int64_t* T = table.data_ptr<int64_t>();
   const bool* M = mask.numel() ? mask.data_ptr<bool>() : nullptr;
   const float ninf = -std::numeric_limits<float>::infinity();
@@ -155,10 +161,11 @@ at::Tensor decode_int8(const at::Tensor& q, const at::Tensor& kd, const at::Tens
 #ifdef __AVX2__
         if (j + 1 < nb) {  // the next block is anywhere in the pool: fetch its rows while this one computes
           const int64_t next = T[b * nb + j + 1] * bs * H + h;
-          for (int64_t t = 0; t < bs; ++t) {
-            _mm_prefetch(reinterpret_cast<const char*>(K + (next + t * H) * D), _MM_HINT_T0);
-            _mm_prefetch(reinterpret_cast<const char*>(V + (next + t * H) * D), _MM_HINT_T0);
-          }
+          for (int64_t t = 0; t < bs; ++t)
+            for (int64_t line = 0; line < D * static_cast<int64_t>(sizeof(E)); line += 64) {  // every line of a row
+              _mm_prefetch(reinterpret_cast<const char*>(K + (next + t * H) * D) + line, _MM_HINT_T0);
+              _mm_prefetch(reinterpret_cast<const char*>(V + (next + t * H) * D) + line, _MM_HINT_T0);
+            }
         }
 #endif
         for (int64_t t = 0; t < bs; ++t) {
@@ -170,7 +177,7 @@ at::Tensor decode_int8(const at::Tensor& q, const at::Tensor& kd, const at::Tens
           dots(qb + g * D, kf.data(), bs, D, sg);
           float bmax = ninf;
           for (int64_t t = 0; t < bs; ++t) {
-            sg[t] = (mrow && !mrow[t]) ? ninf : sg[t] * KS[base + t * H] * sc;
+            sg[t] = (mrow && !mrow[t]) ? ninf : sg[t] * (KS ? KS[base + t * H] * sc : sc);
             bmax = std::max(bmax, sg[t]);
           }
           const float mnew = std::max(mx[g], bmax);
@@ -180,7 +187,7 @@ at::Tensor decode_int8(const at::Tensor& q, const at::Tensor& kd, const at::Tens
           for (int64_t t = 0; t < bs; ++t) {
             if (mrow && !mrow[t]) sg[t] = 0.f;  // exp8 clamps: a masked key must weigh exactly nothing
             bsum += sg[t];
-            sg[t] *= VS[base + t * H];
+            if (VS) sg[t] *= VS[base + t * H];
           }
           float* ag = acc + g * D;
           if (corr != 1.f)
@@ -215,9 +222,35 @@ at::Tensor decode_int8(const at::Tensor& q, const at::Tensor& kd, const at::Tens
   return out;
 }
 
+at::Tensor decode_int8(const at::Tensor& q, const at::Tensor& kd, const at::Tensor& ks, const at::Tensor& vd,
+                       const at::Tensor& vs, const at::Tensor& table, const at::Tensor& mask, double scale,
+                       int64_t chunk_blocks) {
+  TORCH_CHECK(kd.dtype() == at::kChar && vd.dtype() == at::kChar && kd.is_contiguous() && vd.is_contiguous() &&
+              vd.sizes() == kd.sizes(), "kd, vd: contiguous int8 [N, bs, Hkv, D]");
+  TORCH_CHECK(ks.dtype() == at::kFloat && vs.dtype() == at::kFloat && ks.is_contiguous() && vs.is_contiguous() &&
+              ks.numel() * kd.size(3) == kd.numel() && vs.sizes() == ks.sizes(),
+              "ks, vs: contiguous fp32 [N, bs, Hkv]");
+  return decode(q, kd, kd.data_ptr<int8_t>(), ks.data_ptr<float>(), vd.data_ptr<int8_t>(), vs.data_ptr<float>(),
+                table, mask, scale, chunk_blocks);
+}
+
+at::Tensor decode_bf16(const at::Tensor& q, const at::Tensor& kd, const at::Tensor& vd, const at::Tensor& table,
+                       const at::Tensor& mask, double scale, int64_t chunk_blocks) {
+  TORCH_CHECK(kd.dtype() == at::kBFloat16 && vd.dtype() == at::kBFloat16 && kd.is_contiguous() &&
+              vd.is_contiguous() && vd.sizes() == kd.sizes(), "kd, vd: contiguous bf16 [N, bs, Hkv, D]");
+  const auto* K = reinterpret_cast<const uint16_t*>(kd.data_ptr<at::BFloat16>());
+  const auto* V = reinterpret_cast<const uint16_t*>(vd.data_ptr<at::BFloat16>());
+  return decode<uint16_t>(q, kd, K, nullptr, V, nullptr, table, mask, scale, chunk_blocks);
+}
+
 TORCH_LIBRARY(tokenhaul_kv, m) {
   m.def("decode_int8(Tensor q, Tensor kd, Tensor ks, Tensor vd, Tensor vs, Tensor table, Tensor mask, "
         "float scale, int chunk_blocks) -> Tensor");
+  m.def("decode_bf16(Tensor q, Tensor kd, Tensor vd, Tensor table, Tensor mask, float scale, int chunk_blocks) "
+        "-> Tensor");
 }
 
-TORCH_LIBRARY_IMPL(tokenhaul_kv, CPU, m) { m.impl("decode_int8", &decode_int8); }
+TORCH_LIBRARY_IMPL(tokenhaul_kv, CPU, m) {
+  m.impl("decode_int8", &decode_int8);
+  m.impl("decode_bf16", &decode_bf16);
+}

@@ -1,6 +1,6 @@
-"""The int8 decode-attention kernel (kv/int8_attention.py) against the same attention computed in fp32 from
-the dequantized cache: same math, so the stated tolerance is fp32 rounding (1e-5 of max|v|); and a row's
-bits do not depend on the batch it is in or the thread count."""
+"""The decode-attention kernel (kv/decode_attention.py), over int8 and bf16 caches, against the same attention
+computed in fp32 from the dequantized (or widened) cache: same math, so the stated tolerance is fp32 rounding
+(1e-5 of max|v|); and a row's bits do not depend on the batch it is in or the thread count."""
 
 from __future__ import annotations
 
@@ -8,14 +8,14 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from tokenhaul.kv import int8_attention
+from tokenhaul.kv import decode_attention
 from tokenhaul.kv.int8 import dequantize, quantize
 
 
 @pytest.fixture(autouse=True)
 def _kernel():
     """Built inside a test, not at collection: a build that hangs fails its test (pytest-timeout), not the run."""
-    if not int8_attention.available():
+    if not decode_attention.available():
         pytest.skip("no C++ compiler for the int8 kernel")
 
 
@@ -49,12 +49,39 @@ def test_kernel_equals_dequantized_sdpa(hkv, groups, d):
     keys = torch.arange(nb * bs)[None, :]
     for mask in ((keys <= pos), (keys <= pos) & (keys > pos - 100)):
         mask = mask.view(B, 1, 1, -1)
-        out = int8_attention.decode_int8(q, kd, ks, vd, vs, table, mask, d ** -0.5)
+        out = decode_attention.decode_int8(q, kd, ks, vd, vs, table, mask, d ** -0.5)
         ref = _reference(q, kd, ks, vd, vs, table, mask, d ** -0.5)
         assert out.shape == ref.shape and out.dtype == torch.float32
         assert float((out - ref).abs().max()) < 1e-5 * float(vd.abs().max() * vs.max())
-    full = int8_attention.decode_int8(q, kd, ks, vd, vs, table, None, d ** -0.5)
+    full = decode_attention.decode_int8(q, kd, ks, vd, vs, table, None, d ** -0.5)
     assert torch.allclose(full, _reference(q, kd, ks, vd, vs, table, None, d ** -0.5), atol=1e-5, rtol=1e-4)
+
+
+@pytest.mark.parametrize("hkv,groups,d", [(3, 3, 64), (2, 7, 64), (1, 4, 256), (2, 2, 40)])
+def test_bf16_kernel_equals_widened_sdpa(hkv, groups, d):
+    """The bf16 cache read by the same kernel: equal to fp32 SDPA over the bf16 values widened, on shuffled
+    tables with causal and sliding masks; a row alone equals the row in a padded batch, bit for bit."""
+    g = torch.Generator().manual_seed(3 * d + groups)
+    bs, nb = 16, 40
+    lengths = [1, 17, 300, 640]
+    B = len(lengths)
+    k = (torch.randn(B * nb + 1, bs, hkv, d, generator=g) * 2).bfloat16()
+    v = torch.randn(B * nb + 1, bs, hkv, d, generator=g).bfloat16()
+    table = (torch.randperm(B * nb, generator=g) + 1).view(B, nb)
+    q = torch.randn(B, hkv, groups, d, generator=g)
+    pos = torch.tensor(lengths)[:, None] - 1
+    keys = torch.arange(nb * bs)[None, :]
+    for mask in ((keys <= pos), (keys <= pos) & (keys > pos - 100)):
+        mask = mask.view(B, 1, 1, -1)
+        out = decode_attention.decode_bf16(q, k, v, table, mask, d ** -0.5)
+        kf = k[table].float().reshape(B, -1, hkv, d).transpose(1, 2)
+        vf = v[table].float().reshape(B, -1, hkv, d).transpose(1, 2)
+        ref = F.scaled_dot_product_attention(q, kf, vf, attn_mask=mask, scale=d ** -0.5)
+        assert out.shape == ref.shape and out.dtype == torch.float32
+        assert float((out - ref).abs().max()) < 1e-5 * float(v.float().abs().max())
+        own = -(-lengths[2] // bs)
+        alone = decode_attention.decode_bf16(q[2:3], k, v, table[2:3, :own], mask[2:3, ..., :own * bs], d ** -0.5)
+        assert torch.equal(out[2:3], alone)
 
 
 def test_row_bits_independent_of_batch_and_threads():
@@ -67,14 +94,14 @@ def test_row_bits_independent_of_batch_and_threads():
     q = torch.randn(2, hkv, groups, d, generator=g)
     lengths = torch.tensor([700, 1100])
     mask = (torch.arange(nb * bs)[None, :] < lengths[:, None]).view(2, 1, 1, -1)
-    batched = int8_attention.decode_int8(q, kd, ks, vd, vs, table, mask, 0.125)
+    batched = decode_attention.decode_int8(q, kd, ks, vd, vs, table, mask, 0.125)
     own = -(-700 // bs)
-    alone = int8_attention.decode_int8(q[:1], kd, ks, vd, vs, table[:1, :own], mask[:1, ..., :own * bs], 0.125)
+    alone = decode_attention.decode_int8(q[:1], kd, ks, vd, vs, table[:1, :own], mask[:1, ..., :own * bs], 0.125)
     assert torch.equal(batched[:1], alone)
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     try:
-        assert torch.equal(int8_attention.decode_int8(q, kd, ks, vd, vs, table, mask, 0.125), batched)
+        assert torch.equal(decode_attention.decode_int8(q, kd, ks, vd, vs, table, mask, 0.125), batched)
     finally:
         torch.set_num_threads(threads)
 
@@ -87,7 +114,7 @@ def test_compiled_graph_can_call_the_kernel():
     q = torch.randn(1, 3, 3, 64, generator=g)
 
     def step(q):
-        return int8_attention.decode_int8(q * 2, kd, ks, vd, vs, table, None, 0.125) + 1
+        return decode_attention.decode_int8(q * 2, kd, ks, vd, vs, table, None, 0.125) + 1
 
     compiled = torch.compile(step, backend="eager", fullgraph=True)
     assert torch.equal(compiled(q), step(q))

@@ -1,0 +1,60 @@
+"""Decode attention over a paged KV cache without a copy of it: `torch.ops.tokenhaul_kv.decode_int8` (int8
+blocks with per-token scales) and `decode_bf16`.
+
+A small C++ kernel (decode_attention.cpp, built on first use: tokenhaul/native.py) reads each sequence's blocks
+through its block table and converts them in L1 (int8: the per-token scales applied to the scores and softmax
+weights), so no gathered or dequantized K/V is ever written.
+Torch ops with fake implementations, so a compiled graph can call them too. Without a C++ compiler the engine
+falls back to gather-then-SDPA (one stderr line says so).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+from tokenhaul import native
+
+SOURCE = Path(__file__).with_name("decode_attention.cpp")
+# Blocks of keys per thread task: 32 x 16 keys. Small enough that one 4 k sequence splits into 8 chunks per
+# KV head (all threads busy at batch 1), large enough that merging the partial softmaxes costs nothing.
+CHUNK_BLOCKS = 32
+
+
+def _fake_int8(q, kd, ks, vd, vs, table, mask, scale, chunk_blocks):  # shapes for torch.compile
+    return q.new_empty(q.shape)
+
+
+def _fake_bf16(q, kd, vd, table, mask, scale, chunk_blocks):
+    return q.new_empty(q.shape)
+
+
+def available() -> bool:
+    """Build (once per machine) and load the kernel; False, with one stderr line, if that fails."""
+    return native.load(SOURCE, "decodes gather a float copy of their K/V instead (slower)",
+                       {"tokenhaul_kv::decode_int8": _fake_int8, "tokenhaul_kv::decode_bf16": _fake_bf16},
+                       parallel=True)
+
+
+def _args(q: torch.Tensor, block_table: torch.Tensor, mask: torch.Tensor | None,
+          block_size: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    B, L = block_table.shape[0], block_table.shape[1] * block_size
+    m = q.new_empty(0, dtype=torch.bool) if mask is None else mask.reshape(B, L).contiguous()
+    return q.float().contiguous(), block_table.contiguous(), m
+
+
+def decode_int8(q: torch.Tensor, k_data: torch.Tensor, k_scale: torch.Tensor, v_data: torch.Tensor,
+                v_scale: torch.Tensor, block_table: torch.Tensor, mask: torch.Tensor | None,
+                scale: float) -> torch.Tensor:
+    """q: [B, Hkv, G, D] (the G query heads of each KV head); caches [N, bs, Hkv, D] int8 with scales
+    [N, bs, Hkv]; block_table [B, nb]; mask [B, 1, 1, nb * bs] bool or None. Returns fp32 [B, Hkv, G, D]."""
+    qf, table, m = _args(q, block_table, mask, k_data.shape[1])
+    return torch.ops.tokenhaul_kv.decode_int8(qf, k_data, k_scale, v_data, v_scale, table, m, scale, CHUNK_BLOCKS)
+
+
+def decode_bf16(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_table: torch.Tensor,
+                mask: torch.Tensor | None, scale: float) -> torch.Tensor:
+    """decode_int8 over bf16 caches [N, bs, Hkv, D] (no scales)."""
+    qf, table, m = _args(q, block_table, mask, k_cache.shape[1])
+    return torch.ops.tokenhaul_kv.decode_bf16(qf, k_cache, v_cache, table, m, scale, CHUNK_BLOCKS)
