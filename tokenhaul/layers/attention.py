@@ -75,7 +75,8 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
         mask = g.mask_local if sliding else g.mask
         if fold and meta.traced and isinstance(k_cache, torch.Tensor) and k_cache.dtype == torch.bfloat16:
             # the compiled graph reads bf16 blocks through the table with the C++ kernel (built before tracing:
-            # engine/compiled_decode.py): 2x inductor's fused reductions at 4 k keys (bench/bytes.py)
+            # engine/compiled_decode.py): up to 2.1x inductor's fused reductions (Qwen2.5-0.5B's shapes at 4 k
+            # keys), a tie on SmolLM2's (bench/compiled_attention.py)
             o = decode_attention.decode_bf16(qg.view(g.batch, Hkv, H // Hkv, D), k_cache, v_cache, g.block_table,
                                              mask, scale).reshape(g.batch, H * D).to(q.dtype)
         elif fold and meta.traced and isinstance(k_cache, torch.Tensor):
