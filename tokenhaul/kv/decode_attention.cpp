@@ -177,7 +177,7 @@ at::Tensor decode(const at::Tensor& q, const at::Tensor& kd, const E* K, const f
           dots(qb + g * D, kf.data(), bs, D, sg);
           float bmax = ninf;
           for (int64_t t = 0; t < bs; ++t) {
-            sg[t] = (mrow && !mrow[t]) ? ninf : sg[t] * (KS ? KS[base + t * H] * sc : sc);
+            sg[t] = (mrow && !mrow[t]) ? ninf : KS ? sg[t] * KS[base + t * H] * sc : sg[t] * sc;
             bmax = std::max(bmax, sg[t]);
           }
           const float mnew = std::max(mx[g], bmax);
