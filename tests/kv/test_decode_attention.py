@@ -25,6 +25,19 @@ def _cache(n_blocks: int, bs: int, hkv: int, d: int, g: torch.Generator):
     return kd, ks, vd, vs
 
 
+LENGTHS, BS, NB = [1, 17, 300, 640], 16, 40  # contexts across the thread-chunk boundary (32 blocks of 16)
+
+
+def _layout(hkv: int, groups: int, d: int, g: torch.Generator):
+    """Shuffled block tables of NB blocks for LENGTHS, queries, and the causal and sliding-window masks."""
+    B = len(LENGTHS)
+    table = (torch.randperm(B * NB, generator=g) + 1).view(B, NB)
+    q = torch.randn(B, hkv, groups, d, generator=g)
+    pos = torch.tensor(LENGTHS)[:, None] - 1
+    keys = torch.arange(NB * BS)[None, :]
+    return table, q, [m.view(B, 1, 1, -1) for m in ((keys <= pos), (keys <= pos) & (keys > pos - 100))]
+
+
 def _reference(q, kd, ks, vd, vs, table, mask, scale):
     """Dequantize the table's blocks to fp32 and run torch's SDPA: what the kernel must equal."""
     B, nb = table.shape
@@ -39,16 +52,9 @@ def test_kernel_equals_dequantized_sdpa(hkv, groups, d):
     """Shuffled block tables, contexts across the thread-chunk boundary (32 blocks), causal and
     sliding-window masks, padded rows; head dims with and without the 8-wide path."""
     g = torch.Generator().manual_seed(d + groups)
-    bs, nb = 16, 40
-    lengths = [1, 17, 300, 640]
-    B = len(lengths)
-    kd, ks, vd, vs = _cache(B * nb + 1, bs, hkv, d, g)
-    table = (torch.randperm(B * nb, generator=g) + 1).view(B, nb)
-    q = torch.randn(B, hkv, groups, d, generator=g)
-    pos = torch.tensor(lengths)[:, None] - 1
-    keys = torch.arange(nb * bs)[None, :]
-    for mask in ((keys <= pos), (keys <= pos) & (keys > pos - 100)):
-        mask = mask.view(B, 1, 1, -1)
+    kd, ks, vd, vs = _cache(len(LENGTHS) * NB + 1, BS, hkv, d, g)
+    table, q, masks = _layout(hkv, groups, d, g)
+    for mask in masks:
         out = decode_attention.decode_int8(q, kd, ks, vd, vs, table, mask, d ** -0.5)
         ref = _reference(q, kd, ks, vd, vs, table, mask, d ** -0.5)
         assert out.shape == ref.shape and out.dtype == torch.float32
@@ -62,25 +68,19 @@ def test_bf16_kernel_equals_widened_sdpa(hkv, groups, d):
     """The bf16 cache read by the same kernel: equal to fp32 SDPA over the bf16 values widened, on shuffled
     tables with causal and sliding masks; a row alone equals the row in a padded batch, bit for bit."""
     g = torch.Generator().manual_seed(3 * d + groups)
-    bs, nb = 16, 40
-    lengths = [1, 17, 300, 640]
-    B = len(lengths)
-    k = (torch.randn(B * nb + 1, bs, hkv, d, generator=g) * 2).bfloat16()
-    v = torch.randn(B * nb + 1, bs, hkv, d, generator=g).bfloat16()
-    table = (torch.randperm(B * nb, generator=g) + 1).view(B, nb)
-    q = torch.randn(B, hkv, groups, d, generator=g)
-    pos = torch.tensor(lengths)[:, None] - 1
-    keys = torch.arange(nb * bs)[None, :]
-    for mask in ((keys <= pos), (keys <= pos) & (keys > pos - 100)):
-        mask = mask.view(B, 1, 1, -1)
+    B = len(LENGTHS)
+    k = (torch.randn(B * NB + 1, BS, hkv, d, generator=g) * 2).bfloat16()
+    v = torch.randn(B * NB + 1, BS, hkv, d, generator=g).bfloat16()
+    table, q, masks = _layout(hkv, groups, d, g)
+    for mask in masks:
         out = decode_attention.decode_bf16(q, k, v, table, mask, d ** -0.5)
         kf = k[table].float().reshape(B, -1, hkv, d).transpose(1, 2)
         vf = v[table].float().reshape(B, -1, hkv, d).transpose(1, 2)
         ref = F.scaled_dot_product_attention(q, kf, vf, attn_mask=mask, scale=d ** -0.5)
         assert out.shape == ref.shape and out.dtype == torch.float32
         assert float((out - ref).abs().max()) < 1e-5 * float(v.float().abs().max())
-        own = -(-lengths[2] // bs)
-        alone = decode_attention.decode_bf16(q[2:3], k, v, table[2:3, :own], mask[2:3, ..., :own * bs], d ** -0.5)
+        own = -(-LENGTHS[2] // BS)
+        alone = decode_attention.decode_bf16(q[2:3], k, v, table[2:3, :own], mask[2:3, ..., :own * BS], d ** -0.5)
         assert torch.equal(out[2:3], alone)
 
 
