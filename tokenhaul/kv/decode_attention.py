@@ -15,6 +15,7 @@ from pathlib import Path
 import torch
 
 from tokenhaul import native
+from tokenhaul.kv.int8 import Int8Blocks
 
 SOURCE = Path(__file__).with_name("decode_attention.cpp")
 # Blocks of keys per thread task: 32 x 16 keys. Small enough that one 4 k sequence splits into 8 chunks per
@@ -58,3 +59,11 @@ def decode_bf16(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, b
     """decode_int8 over bf16 caches [N, bs, Hkv, D] (no scales)."""
     qf, table, m = _args(q, block_table, mask, k_cache.shape[1])
     return torch.ops.tokenhaul_kv.decode_bf16(qf, k_cache, v_cache, table, m, scale, CHUNK_BLOCKS)
+
+
+def decode(q: torch.Tensor, k_cache: torch.Tensor | Int8Blocks, v_cache: torch.Tensor | Int8Blocks,
+           block_table: torch.Tensor, mask: torch.Tensor | None, scale: float) -> torch.Tensor:
+    """decode_int8 or decode_bf16, by the caches' storage."""
+    if isinstance(k_cache, Int8Blocks):
+        return decode_int8(q, k_cache.data, k_cache.scale, v_cache.data, v_cache.scale, block_table, mask, scale)
+    return decode_bf16(q, k_cache, v_cache, block_table, mask, scale)

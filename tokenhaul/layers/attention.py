@@ -73,20 +73,17 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
         qg = q if g.token_index is None else q[g.token_index]
         fold = g.q_len == 1 and not meta.per_query
         mask = g.mask_local if sliding else g.mask
-        if fold and meta.traced and isinstance(k_cache, torch.Tensor) and k_cache.dtype == torch.bfloat16:
-            # the compiled graph reads bf16 blocks through the table with the C++ kernel (built before tracing:
-            # engine/compiled_decode.py): up to 2.1x inductor's fused reductions (Qwen2.5-0.5B's shapes at 4 k
-            # keys), a tie on SmolLM2's (bench/compiled_attention.py)
-            o = decode_attention.decode_bf16(qg.view(g.batch, Hkv, H // Hkv, D), k_cache, v_cache, g.block_table,
-                                             mask, scale).reshape(g.batch, H * D).to(q.dtype)
-        elif fold and meta.traced and isinstance(k_cache, torch.Tensor):
+        int8 = isinstance(k_cache, Int8Blocks)
+        kernel = (int8 or k_cache.dtype == torch.bfloat16) if meta.traced else int8 and decode_attention.available()
+        if fold and kernel:
+            # the C++ kernel reads the blocks through the table (int8: scales applied inside): no float copy. Int8
+            # decodes always; bf16 ones inside the compiled graph (built before tracing: engine/compiled_decode.py),
+            # up to 2.1x inductor's fused reductions (Qwen2.5-0.5B's shapes at 4 k keys), a tie on SmolLM2's
+            # (bench/compiled_attention.py)
+            o = decode_attention.decode(qg.view(g.batch, Hkv, H // Hkv, D), k_cache, v_cache, g.block_table, mask,
+                                        scale).reshape(g.batch, H * D).to(q.dtype)
+        elif fold and meta.traced:
             o = _decode_traced(qg, k_cache, v_cache, g, mask, scale)
-        elif fold and isinstance(k_cache, Int8Blocks) and (meta.traced or decode_attention.available()):
-            # int8 decodes read the int8 blocks through the table, scales applied inside: no float copy (a
-            # compiled graph calls the op too)
-            o = decode_attention.decode_int8(qg.view(g.batch, Hkv, H // Hkv, D), k_cache.data, k_cache.scale,
-                                             v_cache.data, v_cache.scale, g.block_table, mask, scale)
-            o = o.reshape(g.batch, H * D).to(q.dtype)
         else:
             o = _sdpa(qg, g, k_cache, v_cache, mask, scale, fold, meta.per_query)
         if out is None:
