@@ -37,6 +37,19 @@ def _huge_pages() -> None:
 
 _huge_pages()
 
+
+def _keep_freed_memory() -> None:
+    """Keep freed heap memory in the process (tokenhaul/host.py: keep_freed_memory) unless
+    TOKENHAUL_KEEP_FREED_MEMORY=0; any MALLOC_* variable in the environment (glibc's own tuning) wins."""
+    if os.environ.get("TOKENHAUL_KEEP_FREED_MEMORY") == "0" or any(k.startswith("MALLOC_") for k in os.environ):
+        return
+    from tokenhaul.host import keep_freed_memory
+
+    keep_freed_memory(True)
+
+
+_keep_freed_memory()
+
 from tokenhaul.sampling_params import SamplingParams  # noqa: E402 - after the OpenMP choice
 
 if TYPE_CHECKING:
