@@ -28,11 +28,12 @@ def openmp_wait() -> str:
 
 
 def keep_freed_memory(keep: bool) -> bool:
-    """Whether glibc keeps freed memory in the process (`keep`) or hands it back to the kernel at once (its
-    default); False where the C library is not glibc. By default glibc maps each block of 32 MB and more afresh and
-    trims the heap's top past 128 KB, so a step's big tensors (logits, the lm_head's sums at many rows) return as
-    new pages the kernel zeroes again: 14 % of a Qwen2.5-0.5B 32-stream decode step was the kernel's `clear_page`
-    (perf). Kept: no mapped blocks, a 1 GiB trim threshold (bench/malloc_policy.py)."""
+    """Have glibc keep freed memory in the process (`keep`), or hand it back at once with its default values (its
+    dynamic mapping threshold stays off once set); False where the C library is not glibc. By default glibc maps
+    each block of 32 MB and more afresh and trims the heap's top past 128 KB, so a step's big tensors (logits, the
+    lm_head's sums at many rows) return as new pages the kernel zeroes again: 14 % of a Qwen2.5-0.5B 32-stream
+    decode step was the kernel's `clear_page` (perf). Kept: no mapped blocks, a 1 GiB trim threshold
+    (bench/malloc_policy.py)."""
     if platform.libc_ver()[0] != "glibc":
         return False
     libc = ctypes.CDLL(None)
