@@ -73,7 +73,7 @@ def test_freed_memory_stays_unless_opted_out():
     from tokenhaul.host import keep_freed_memory
 
     base = {k: v for k, v in os.environ.items() if not k.startswith("MALLOC_") and k != "TOKENHAUL_KEEP_FREED_MEMORY"}
-    assert keep_freed_memory(True)  # glibc here
+    assert keep_freed_memory()  # glibc here
     held, after = _resident_after_free(base)
     assert after > held - 32
     held, after = _resident_after_free(base | {"TOKENHAUL_KEEP_FREED_MEMORY": "0"})

@@ -45,7 +45,7 @@ def _keep_freed_memory() -> None:
         return
     from tokenhaul.host import keep_freed_memory
 
-    keep_freed_memory(True)
+    keep_freed_memory()
 
 
 _keep_freed_memory()

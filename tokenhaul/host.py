@@ -27,9 +27,8 @@ def openmp_wait() -> str:
     return f"GOMP_SPINCOUNT={spin}" if spin else f"OMP_WAIT_POLICY={os.environ.get('OMP_WAIT_POLICY', 'unset')}"
 
 
-def keep_freed_memory(keep: bool) -> bool:
-    """Have glibc keep freed memory in the process (`keep`), or hand it back at once with its default values (its
-    dynamic mapping threshold stays off once set); False where the C library is not glibc. By default glibc maps
+def keep_freed_memory() -> bool:
+    """Have glibc keep freed memory in the process; False where the C library is not glibc. By default glibc maps
     each block of 32 MB and more afresh and trims the heap's top past 128 KB, so a step's big tensors (logits, the
     lm_head's sums at many rows) return as new pages the kernel zeroes again: 14 % of a Qwen2.5-0.5B 32-stream
     decode step was the kernel's `clear_page` (perf). Kept: no mapped blocks, a 1 GiB trim threshold
@@ -38,9 +37,7 @@ def keep_freed_memory(keep: bool) -> bool:
         return False
     libc = ctypes.CDLL(None)
     m_trim_threshold, m_mmap_max = -1, -4  # malloc.h
-    ok = libc.mallopt(m_mmap_max, 0 if keep else 65536)
-    ok &= libc.mallopt(m_trim_threshold, (1 << 30) if keep else 128 * 1024)
-    return bool(ok)
+    return bool(libc.mallopt(m_mmap_max, 0) & libc.mallopt(m_trim_threshold, 1 << 30))
 
 
 def _cpu_times(cpus: set[int]) -> tuple[int, int] | None:
