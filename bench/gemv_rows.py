@@ -26,7 +26,7 @@ def set_limits(model, narrow: bool, now: dict) -> None:
     """The narrow limits, or the ones the engine chose (`now`, recorded before the first change)."""
     for lin in linears(model):
         if isinstance(lin, Int4Linear):
-            lin.gemv_rows, lin.max_rows = (1, 56) if narrow else now[id(lin)]
+            lin.set_rows(*((1, 56) if narrow else now[id(lin)]))
         elif isinstance(lin, Int8Linear):
             lin.gemv_max = None if narrow else now[id(lin)]
 

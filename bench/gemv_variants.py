@@ -49,7 +49,7 @@ def build(kernel: str, name: str, spec: str, workdir: Path):
 
 
 def weights(kernel: str, shapes: list[tuple[int, int]], megabytes: float, rows: int, kept: float,
-            threads: int) -> list[tuple]:
+            threads: int, torch_scales: bool = False) -> list[tuple]:
     """Distinct random layers until `megabytes`, in model order; each entry is the op's arguments."""
     per_layer = sum(n * k for n, k in shapes) * (0.625 if kernel == "int4" else 1)
     layers = max(1, int(megabytes * 1e6 / per_layer))
@@ -64,8 +64,9 @@ def weights(kernel: str, shapes: list[tuple[int, int]], megabytes: float, rows: 
             elif kernel == "int8":
                 out.append((x, torch.randint(-128, 128, (n, k), dtype=torch.int8), torch.rand(n).bfloat16() * 0.01))
             else:
-                out.append((x, torch.randint(0, 256, (n, k // 2), dtype=torch.uint8),
-                            (torch.randn(k // 32, n, 2) * 0.01).bfloat16(), 32, block_n()))
+                sz = torch.randn(k // 32, n, 2) if torch_scales else torch.randn(n // 64, k // 32, 64, 2)
+                out.append((x, torch.randint(0, 256, (n, k // 2), dtype=torch.uint8), (sz * 0.01).bfloat16(), 32,
+                            block_n()))
     return out
 
 
@@ -79,13 +80,17 @@ def main() -> None:
     ap.add_argument("--passes", type=int, default=7)
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--shapes", choices=sorted(SHAPES), default="qwen2.5-0.5b", help="the layer's linears")
+    ap.add_argument("--torch-scales", action="store_true",
+                    help="int4: scales in torch's order [K / 32, N, 2] (revisions before the unit order need it)")
+    ap.add_argument("--both-orders", action="store_true",
+                    help="int4: each variant also timed on the same weights with the scales in torch's order")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     with tempfile.TemporaryDirectory() as tmp:
         ops = {name: build(args.kernel, name, spec, Path(tmp))
                for name, spec in (v.split("=", 1) for v in args.variants)}
     shapes = SHAPES[args.shapes]
-    calls = weights(args.kernel, shapes, args.megabytes, args.rows, args.kept, args.threads)
+    calls = weights(args.kernel, shapes, args.megabytes, args.rows, args.kept, args.threads, args.torch_scales)
 
     def read(c: tuple) -> float:  # the bytes a call reads (gathered: its kept rows)
         if args.kernel.startswith("sparse"):
@@ -93,12 +98,17 @@ def main() -> None:
         return sum(t.numel() * t.element_size() for t in c[1:3] if isinstance(t, torch.Tensor))
 
     nbytes = [sum(read(c) for c in calls[i::len(shapes)]) for i in range(len(shapes))]
-    times = {name: [] for name in ops}  # per pass: seconds per shape
+    runs = [(name, op, calls) for name, op in ops.items()]
+    if args.both_orders:
+        torch_order = [(c[0], c[1], c[2].transpose(0, 1).reshape(c[2].shape[1], -1, 2), *c[3:]) for c in calls]
+        runs = [run for name, op in ops.items()
+                for run in ((f"{name}, unit order", op, calls), (f"{name}, torch order", op, torch_order))]
+    times = {name: [] for name, _, _ in runs}  # per pass: seconds per shape
     clock = time.perf_counter
     for _ in range(args.passes):
-        for name, op in ops.items():  # interleaved: the host's drift hits every variant alike
+        for name, op, variant_calls in runs:  # interleaved: the host's drift hits every variant alike
             spent = [0.0] * len(shapes)
-            for i, c in enumerate(calls):
+            for i, c in enumerate(variant_calls):
                 t = clock()
                 op(*c)
                 spent[i % len(shapes)] += clock() - t
@@ -114,7 +124,7 @@ def main() -> None:
             ts = [p[i] for p in passes]
             cells.append(f"{nbytes[i] / min(ts) / 1e9:.1f} / {nbytes[i] / statistics.median(ts) / 1e9:.1f}")
         print(f"| {name} | " + " | ".join(cells) + " |")
-    outs = [op(*calls[0]).float() for op in ops.values()]
+    outs = [op(*variant_calls[0]).float() for _, op, variant_calls in runs]
     print(f"largest difference between variants: {max((o - outs[0]).abs().max().item() for o in outs):g}")
 
 

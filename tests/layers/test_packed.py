@@ -50,7 +50,7 @@ def test_int4_blocks_equal_gguf_dequantize(qtype):
     assert torch.equal(unpack_cpu(lin.weight, 128, 512, block_n())[:96], q)
     # the kernel itself, fed the identity, returns W^T: only bf16 scales/zeros (and bf16 output) differ
     eye = torch.eye(512, dtype=torch.bfloat16)
-    kernel_w = torch.ops.aten._weight_int4pack_mm_for_cpu(eye, lin.weight, 32, lin.scales_zeros).float().t()
+    kernel_w = torch.ops.aten._weight_int4pack_mm_for_cpu(eye, lin.weight, 32, lin.torch_scales()).float().t()
     tol = ref.abs().amax(dim=1, keepdim=True) * 2 ** -7
     assert ((kernel_w[:96] - ref).abs() <= tol).all()
     assert ((lin.dequantize() - ref).abs() <= tol).all()
@@ -217,9 +217,35 @@ def test_int4_linear_takes_the_gemv_at_few_rows(monkeypatch):
     x = torch.randn(lin.gemv_rows + 1, 128)
     lin(x[:1]), lin(x[:-1]), lin(x)
     assert calls == [1, lin.gemv_rows]
-    lin.max_rows = None
+    lin.set_rows(lin.gemv_rows, None)
     lin(x[:1])
     assert calls == [1, lin.gemv_rows]
+
+
+def test_int4_scales_in_unit_order_change_no_bit():
+    """Where every packed call runs the GEMV the scales lie in its unit order [N / 64, K / group, 64, 2]: the GEMV
+    and the dequantization give the same bits as from torch's order, int4pack gets torch's order back when it
+    is reached, and the weight cache keeps torch's order."""
+    lin = Int4Linear.build([torch.randn(200, 256)], None, torch.bfloat16, CPU, 32)
+    assert lin.scales_zeros.dim() == 4 and lin.scales_zeros.shape == (256 // 64, 256 // 32, 64, 2)
+    torch_order = lin.torch_scales()
+    assert torch_order.shape == (256 // 32, 256, 2)
+    for m in (1, 2, 5):
+        for x in (torch.randn(m, 256), torch.randn(m, 256).bfloat16()):
+            assert torch.equal(torch.ops.tokenhaul_int4.gemv(x, lin.weight, lin.scales_zeros, 32, lin.block),
+                               torch.ops.tokenhaul_int4.gemv(x, lin.weight, torch_order, 32, lin.block))
+    assert torch.equal(torch.ops.tokenhaul_int4.dequant_t(lin.weight, lin.scales_zeros, 32, lin.block),
+                       torch.ops.tokenhaul_int4.dequant_t(lin.weight, torch_order, 32, lin.block))
+    assert torch.equal(lin.state()["scales_zeros"], torch_order)
+    again = Int4Linear.from_state(lin.state(), CPU)
+    assert torch.equal(again.scales_zeros, lin.scales_zeros)
+    x = torch.randn(3, 256).bfloat16()
+    y = lin(x)
+    lin.set_rows(1, 56)  # int4pack from 2 rows (AVX-512 hosts without BF16): torch's order
+    assert lin.scales_zeros.dim() == 3 and torch.equal(lin.scales_zeros, torch_order)
+    pack = torch.ops.aten._weight_int4pack_mm_for_cpu(x, lin.weight, 32, lin.scales_zeros)[:, :200]
+    assert (lin(x).float() - pack.float()).abs().max() == 0
+    assert (y.float() - pack.float()).abs().max() <= 0.02 * pack.float().abs().max()
 
 
 @settings(max_examples=25, deadline=None)

@@ -3,7 +3,8 @@
 // The layout (torch's _convert_weight_to_int4pack_for_cpu, checked in tests/layers/test_packed.py): rows in
 // blocks of B (64 where torch runs its AVX-512 kernels, 32 with AVX2); for each input k a block stores B / 2
 // bytes, byte j = q[n0 + j] | q[n0 + B / 2 + j] << 4.
-// scales_zeros [K / group, N, 2] bf16: value = (q - 8) * scale + zero. Each task takes one group of inputs
+// scales_zeros [K / group, N, 2] or in unit order [N / 64, K / group, 64, 2] (int4_gemv.cpp), bf16:
+// value = (q - 8) * scale + zero. Each task takes one group of inputs
 // (its scales converted once), writes `group` rows of the output; plain loops the compiler vectorizes.
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
@@ -22,9 +23,13 @@ static inline uint16_t float_to_bf16(float f) {  // round to nearest even (value
 
 at::Tensor dequant_t(const at::Tensor& weight, const at::Tensor& scales_zeros, int64_t group, int64_t block) {
   TORCH_CHECK(weight.dtype() == at::kByte && weight.is_contiguous(), "weight: contiguous uint8 [N, K / 2]");
-  TORCH_CHECK(scales_zeros.dtype() == at::kBFloat16 && scales_zeros.is_contiguous() && scales_zeros.dim() == 3,
-              "scales_zeros: contiguous bf16 [K / group, N, 2]");
-  const int64_t groups = scales_zeros.size(0), n = scales_zeros.size(1), k = groups * group;
+  const bool units = scales_zeros.dim() == 4;
+  TORCH_CHECK(scales_zeros.dtype() == at::kBFloat16 && scales_zeros.is_contiguous() &&
+                  (scales_zeros.dim() == 3 || (units && scales_zeros.size(2) == 64)),
+              "scales_zeros: contiguous bf16 [K / group, N, 2] or [N / 64, K / group, 64, 2]");
+  const int64_t groups = scales_zeros.size(units ? 1 : 0);
+  const int64_t n = units ? scales_zeros.size(0) * 64 : scales_zeros.size(1);
+  const int64_t k = groups * group;
   TORCH_CHECK(block == 32 || block == 64, "block: 32 or 64 rows");
   TORCH_CHECK(n % block == 0 && weight.size(0) == n && weight.size(1) * 2 == k, "shapes do not match");
   const int64_t half = block / 2;
@@ -35,10 +40,10 @@ at::Tensor dequant_t(const at::Tensor& weight, const at::Tensor& scales_zeros, i
   at::parallel_for(0, groups, 1, [&](int64_t g0, int64_t g1) {
     std::vector<float> scale(n), base(n);  // base = zero - 8 * scale
     for (int64_t g = g0; g < g1; ++g) {
-      const uint16_t* s = sz + g * n * 2;
       for (int64_t j = 0; j < n; ++j) {
-        scale[j] = bf16_to_float(s[2 * j]);
-        base[j] = bf16_to_float(s[2 * j + 1]) - 8.0f * scale[j];
+        const uint16_t* s = units ? sz + ((j / 64) * groups + g) * 128 + (j % 64) * 2 : sz + (g * n + j) * 2;
+        scale[j] = bf16_to_float(s[0]);
+        base[j] = bf16_to_float(s[1]) - 8.0f * scale[j];
       }
       for (int64_t kk = g * group; kk < (g + 1) * group; ++kk) {
         uint16_t* row = o + kk * n;

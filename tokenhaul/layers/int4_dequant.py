@@ -13,12 +13,14 @@ from pathlib import Path
 import torch
 
 from tokenhaul import native
+from tokenhaul.layers.int4_gemv import outputs
 
 SOURCE = Path(__file__).with_name("int4_dequant.cpp")
 
 
 def _fake(weight: torch.Tensor, scales_zeros: torch.Tensor, group: int, block: int) -> torch.Tensor:
-    return scales_zeros.new_empty(scales_zeros.shape[0] * group, scales_zeros.shape[1])
+    groups = scales_zeros.shape[0 if scales_zeros.dim() == 3 else 1]
+    return scales_zeros.new_empty(groups * group, outputs(scales_zeros))
 
 
 def available() -> bool:

@@ -2,8 +2,10 @@
 //
 // Reads the CPU int4pack layout as is (see int4_dequant.cpp): rows in blocks of B (64 where torch runs its AVX-512
 // kernels, 32 with AVX2), for each input k a block stores B / 2 bytes, byte j = q[n0 + j] | q[n0 + B / 2 + j] << 4;
-// work is done in units of 64 rows (one or two blocks) whatever B; scales_zeros [K / group, N, 2] bf16,
-// value = (q - 8) * scale + zero. Per group the codes are summed against the activations unscaled and the
+// work is done in units of 64 rows (one or two blocks) whatever B; value = (q - 8) * scale + zero with the
+// (scale, zero) bf16 pairs either as torch stores them, [K / group, N, 2], or in unit order, [N / 64, K / group,
+// 64, 2]: one sequential stream beside the codes' instead of 256 bytes every N * 4 (1.13-1.17x on Qwen2.5-0.5B's
+// linears from DRAM at one row, bench/RESULTS.md "Scales in unit order"). Per group the codes are summed against the activations unscaled and the
 // group's scale and zero applied after:
 //   y[n] = Σ_g s[g,n] · (Σ_k q[n,k] x[k] - 8 Σ_k x[k]) + z[g,n] · Σ_k x[k].
 // Three ways to sum: fp32 FMAs on the codes widened to fp32 (fp32 activations; bf16 ones of 3 or more rows without
@@ -47,14 +49,20 @@ inline float bf16_to_float(uint16_t h) { return c10::BFloat16(h, c10::BFloat16::
 
 struct Problem {
   const uint8_t* w;    // [N / B][K][B / 2]
-  const uint16_t* sz;  // [G][N][2] bf16
+  const uint16_t* sz;  // (scale, zero) bf16 pairs, in the order `units` says
   const float* x;      // [M][K]
   const float* xs;     // [M][G] group sums of x
   int64_t m, k, n, groups, group, block;
   const uint32_t* xpairs;  // bf16 x as (x[k], x[k + 1]) pairs, [M][K / 2]; null when x is fp32
   const int8_t* xq;        // 8-bit x (the AVX2 path of bf16 activations), [M][K]; null otherwise
   const float* xd;         // its scale per QBLOCK inputs, [M][K / QBLOCK]; xs then holds the quantized x's sums
+  bool units;              // sz in unit order [N / 64][G][64][2], else [G][N][2]
 };
+
+// The (scale, zero) pairs of unit (block b, group g): its 64 rows'.
+inline const uint16_t* unit_scales(const Problem& p, int64_t g, int64_t b) {
+  return p.units ? p.sz + (b * p.groups + g) * 128 : p.sz + (g * p.n + b * 64) * 2;
+}
 
 constexpr int64_t QBLOCK = 16;  // inputs per activation scale of the 8-bit path
 
@@ -68,7 +76,7 @@ void block_rows(const Problem& p, int64_t b, int64_t g, int64_t m0, float* out) 
   const float* x = p.x + m0 * k;
   const float* xs = p.xs + m0 * groups;
   const __m256i high16 = _mm256_set1_epi32(static_cast<int>(0xffff0000u));
-  const uint16_t* szb = p.sz + (g * n + b * 64) * 2;
+  const uint16_t* szb = unit_scales(p, g, b);
   for (int s0 = 0; s0 < 4; s0 += SL) {
     __m256 acc[A];
 #pragma GCC unroll 16
@@ -200,7 +208,7 @@ void block_rows_i8(const Problem& p, int64_t b, int64_t g, float* out) {
     flush_block<TM>(s16, p.xd + k0 / QBLOCK, nb, p.block, acc);
   }
   const __m256i high16 = _mm256_set1_epi32(static_cast<int>(0xffff0000u));
-  const uint16_t* szb = p.sz + (g * p.n + b * 64) * 2;
+  const uint16_t* szb = unit_scales(p, g, b);
   for (int r = 0; r < 64; r += 8) {
     const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(szb + r * 2));
     const __m256 scale = _mm256_castsi256_ps(_mm256_slli_epi32(v, 16));
@@ -290,7 +298,7 @@ AVX512_BF16 void block_rows_bf16(const Problem& p, int64_t b, int64_t g, int64_t
     for (int m = 0; m < TM; ++m)
       for (int j = 0; j < 4; ++j) first[m][j] = _mm512_load_ps(kept[m][j]);
   }
-  const uint16_t* szb = p.sz + (g * n + b * 64) * 2;
+  const uint16_t* szb = unit_scales(p, g, b);
   for (int j = 0; j < 4; ++j) {
     const __m512i v = _mm512_loadu_si512(szb + j * 32);  // rows 16 j .. 16 j + 15: (scale, zero) pairs
     const __m512 scale = _mm512_castsi512_ps(_mm512_slli_epi32(v, 16));
@@ -359,8 +367,8 @@ void unit(const Problem& p, int64_t b, int64_t g, float* out) {
   const int64_t half = p.block / 2;
   for (int64_t j = 0; j < 64; ++j) {
     const int64_t row = b * 64 + j, blk = row / p.block, within = row % p.block;
-    const float scale = bf16_to_float(p.sz[(g * p.n + row) * 2]);
-    const float zero = bf16_to_float(p.sz[(g * p.n + row) * 2 + 1]);
+    const float scale = bf16_to_float(unit_scales(p, g, b)[j * 2]);
+    const float zero = bf16_to_float(unit_scales(p, g, b)[j * 2 + 1]);
     for (int64_t m = 0; m < p.m; ++m) {
       float acc = 0.0f;
       for (int64_t kk = g * p.group; kk < (g + 1) * p.group; ++kk) {
@@ -386,9 +394,13 @@ at::Tensor gemv(const at::Tensor& x, const at::Tensor& weight, const at::Tensor&
                 int64_t block) {
   TORCH_CHECK(x.dim() == 2 && (x.dtype() == at::kBFloat16 || x.dtype() == at::kFloat), "x: bf16 or fp32 [M, K]");
   TORCH_CHECK(weight.dtype() == at::kByte && weight.is_contiguous(), "weight: contiguous uint8 [N, K / 2]");
-  TORCH_CHECK(scales_zeros.dtype() == at::kBFloat16 && scales_zeros.is_contiguous() && scales_zeros.dim() == 3,
-              "scales_zeros: contiguous bf16 [K / group, N, 2]");
-  const int64_t groups = scales_zeros.size(0), n = scales_zeros.size(1), k = groups * group, m = x.size(0);
+  const bool unit_order = scales_zeros.dim() == 4;
+  TORCH_CHECK(scales_zeros.dtype() == at::kBFloat16 && scales_zeros.is_contiguous() &&
+                  (scales_zeros.dim() == 3 || (unit_order && scales_zeros.size(2) == 64)),
+              "scales_zeros: contiguous bf16 [K / group, N, 2] or [N / 64, K / group, 64, 2]");
+  const int64_t groups = scales_zeros.size(unit_order ? 1 : 0);
+  const int64_t n = unit_order ? scales_zeros.size(0) * 64 : scales_zeros.size(1);
+  const int64_t k = groups * group, m = x.size(0);
   TORCH_CHECK(block == 32 || block == 64, "block: 32 or 64 rows");
   TORCH_CHECK(n % 64 == 0 && weight.size(0) == n && weight.size(1) * 2 == k && x.size(1) == k,
               "shapes do not match");
@@ -449,7 +461,7 @@ at::Tensor gemv(const at::Tensor& x, const at::Tensor& weight, const at::Tensor&
   const Problem p{weight.data_ptr<uint8_t>(), reinterpret_cast<const uint16_t*>(scales_zeros.data_ptr<at::BFloat16>()),
                   xf, xs, m, k, n, groups, group, block,
                   bf16 ? reinterpret_cast<const uint32_t*>(xc.data_ptr<at::BFloat16>()) : nullptr,
-                  xq.empty() ? nullptr : xq.data(), xd.empty() ? nullptr : xd.data()};
+                  xq.empty() ? nullptr : xq.data(), xd.empty() ? nullptr : xd.data(), unit_order};
   std::vector<int64_t> edge_block(parts * 2, -1);
   // unit u of part q: the scales SCALES_AHEAD units on prefetched; its block stored (or its share kept) when done
   auto step = [&](int64_t q, int64_t u) {
@@ -457,9 +469,9 @@ at::Tensor gemv(const at::Tensor& x, const at::Tensor& weight, const at::Tensor&
     float* acc = edges + (parts * 2 + q) * m * 64;
     const int64_t b = u / groups, g = u % groups;
     if (u == u0 || g == 0) std::fill(acc, acc + m * 64, 0.0f);
-    if (u + SCALES_AHEAD < u1) {  // a unit's scales lie n * 4 bytes from the previous group's: no stream
+    if (u + SCALES_AHEAD < u1) {  // in torch's order a unit's scales lie n * 4 bytes from the previous group's
       const int64_t ua = u + SCALES_AHEAD;
-      const char* z = reinterpret_cast<const char*>(p.sz + ((ua % groups) * n + ua / groups * 64) * 2);
+      const char* z = reinterpret_cast<const char*>(unit_scales(p, ua % groups, ua / groups));
       for (int l = 0; l < 256; l += 64) __builtin_prefetch(z + l, 0, 3);
     }
     unit(p, b, g, acc);

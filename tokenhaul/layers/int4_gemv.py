@@ -20,8 +20,13 @@ SOURCE = Path(__file__).with_name("int4_gemv.cpp")
 QBLOCK = 16  # inputs per activation scale on the 8-bit path (int4_gemv.cpp)
 
 
+def outputs(scales_zeros: torch.Tensor) -> int:
+    """N of scales_zeros in torch's order [K / group, N, 2] or in unit order [N / 64, K / group, 64, 2]."""
+    return scales_zeros.shape[1] if scales_zeros.dim() == 3 else scales_zeros.shape[0] * 64
+
+
 def _fake(x: torch.Tensor, weight: torch.Tensor, scales_zeros: torch.Tensor, group: int, block: int) -> torch.Tensor:
-    return x.new_empty(x.shape[0], scales_zeros.shape[1])
+    return x.new_empty(x.shape[0], outputs(scales_zeros))
 
 
 def _avx512_bf16() -> bool:

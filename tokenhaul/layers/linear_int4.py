@@ -74,18 +74,31 @@ class Int4Linear(Linear):
                  in_features: int, bias: torch.Tensor | None) -> None:
         self.weight = weight  # packed int4, rows padded to a multiple of 64
         self.block = block_n() or 0  # the CPU layout's rows per block (the weight cache is keyed by capability)
-        self.scales_zeros = scales_zeros  # bf16 [K / group, N_padded, 2]
+        self.scales_zeros = scales_zeros  # bf16 [K / group, N_padded, 2], or in the GEMV's unit order (set_rows)
         self.group = group
         self.out_features, self.in_features = out_features, in_features
         self.bias = bias
         self.cuda = weight.device.type == "cuda"
         self.widen = not low_precision_gemm_is_fast(weight.device)  # the many-row GEMM in fp32 (see there)
-        if not self.cuda and not int4_dequant.available():
-            self.max_rows = self.max_rows_fallback
-        if self.cuda or not int4_gemv.available():
-            self.gemv_rows = 0
-        elif self.max_rows is not None:  # the GEMV, where it runs, also beats the dense path up to its limit
-            self.max_rows = max(self.max_rows, self.gemv_rows)
+        max_rows = self.max_rows_fallback if not self.cuda and not int4_dequant.available() else self.max_rows
+        gemv_rows = 0 if self.cuda or not int4_gemv.available() else self.gemv_rows
+        self.set_rows(gemv_rows, max(max_rows, gemv_rows))  # the GEMV, where it runs, also beats the dense path
+
+    def set_rows(self, gemv_rows: int, max_rows: int | None) -> None:
+        """Up to `gemv_rows` rows the C++ GEMV, to `max_rows` int4pack, then dequantize + GEMM (None: int4pack at
+        every row count, the batch-invariant setting). Where int4pack is never reached the scales lie in the
+        GEMV's unit order, [N / 64, K / group, 64, 2]: one sequential stream (int4_gemv.cpp)."""
+        self.gemv_rows, self.max_rows = gemv_rows, max_rows
+        sz = self.torch_scales()
+        if not self.cuda and gemv_rows > 0 and max_rows is not None and max_rows <= gemv_rows:
+            groups, n = sz.shape[:2]
+            sz = sz.view(groups, n // 64, 64, 2).transpose(0, 1).contiguous()
+        self.scales_zeros = sz
+
+    def torch_scales(self) -> torch.Tensor:
+        """The scales in torch's order [K / group, N_padded, 2] (a copy where they lie in unit order)."""
+        sz = self.scales_zeros
+        return sz if sz.dim() == 3 else sz.transpose(0, 1).reshape(sz.shape[1], -1, 2)
 
     @classmethod
     def supports(cls, in_features: int, group: int | None) -> bool:
@@ -127,9 +140,9 @@ class Int4Linear(Linear):
 
     def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
         """The weight the kernel multiplies by, [out, in] (CPU layout only)."""
-        n, k = self.scales_zeros.shape[1], self.in_features
+        sz = self.torch_scales().float()
+        n, k = sz.shape[1], self.in_features
         q = unpack_cpu(self.weight, n, k, self.block).view(n, k // self.group, self.group).float()
-        sz = self.scales_zeros.float()
         scale, zero = sz[..., 0].t()[..., None], sz[..., 1].t()[..., None]
         w = torch.addcmul(zero - 8 * scale, q, scale).reshape(n, k)
         return w[:self.out_features].to(dtype)
@@ -141,10 +154,11 @@ class Int4Linear(Linear):
         if int4_dequant.available():
             return torch.ops.tokenhaul_int4.dequant_t(self.weight, self.scales_zeros, self.group,
                                                       self.block)[:, :self.out_features]
-        n, k, g, b = self.scales_zeros.shape[1], self.in_features, self.group, self.block
+        sz = self.torch_scales()
+        n, k, g, b = sz.shape[1], self.in_features, self.group, self.block
         w = self.weight.view(n // b, k, b // 2)
         q = torch.cat([(w & 15).permute(1, 0, 2), (w >> 4).permute(1, 0, 2)], dim=2).view(k // g, g, n)
-        sz = self.scales_zeros.view(k // g, 1, n, 2)
+        sz = sz.view(k // g, 1, n, 2)
         wt = torch.addcmul(sz[..., 1], q.to(torch.bfloat16).sub_(8), sz[..., 0]).view(k, n)
         return wt[:, :self.out_features]
 
@@ -153,7 +167,7 @@ class Int4Linear(Linear):
 
     def state(self) -> dict[str, torch.Tensor]:
         meta = torch.tensor([self.group, self.out_features, self.in_features])
-        return {"weight": self.weight, "scales_zeros": self.scales_zeros, "meta": meta} | (
+        return {"weight": self.weight, "scales_zeros": self.torch_scales(), "meta": meta} | (
             {} if self.bias is None else {"bias": self.bias})
 
     @classmethod

@@ -102,8 +102,8 @@ class LinearFactory:
             if fmt != "dense":
                 self.built[name] = lin
         if self.batch_invariant:  # one kernel at every row count: a row's numbers must not depend on the batch
-            if getattr(lin, "max_rows", None) is not None:
-                lin.max_rows = None
+            if lin.format == "int4":
+                lin.set_rows(lin.gemv_rows, None)
             if lin.format == "int8":
                 lin.packed_rows = 0  # the integer GEMM's int32 sums are exact, so each row is its own
                 lin.gemv = False
