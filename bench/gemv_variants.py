@@ -31,7 +31,8 @@ SOURCES = {"int8": "tokenhaul/layers/int8_gemv.cpp", "int4": "tokenhaul/layers/i
            "sparse-int8": "tokenhaul/layers/sparse_gemv.cpp"}
 NAMESPACES = {"int8": "tokenhaul_int8", "int4": "tokenhaul_int4", "sparse-int8": "tokenhaul_sparse"}
 SHAPES = {"qwen2.5-0.5b": [(1152, 896), (896, 896), (9728, 896), (896, 4864)],  # qkv, o, gate_up, down
-          "smollm2-135m": [(960, 576), (576, 576), (3072, 576), (576, 1536)]}
+          "smollm2-135m": [(960, 576), (576, 576), (3072, 576), (576, 1536)],
+          "lm-heads": [(151936, 896), (49152, 576)]}  # Qwen2.5-0.5B's and SmolLM2's
 
 
 def build(kernel: str, name: str, spec: str, workdir: Path):
