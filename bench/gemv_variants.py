@@ -1,4 +1,4 @@
-"""Variants of a C++ GEMV side by side in one process: the int8, int4 or gathered (sparse-int8: activation
+"""Variants of a C++ GEMV side by side in one process: the int8, int4 or gathered (sparse-int8 / -int4: activation
 sparsity, `--kept` of the inputs over the threshold, GB/s of the rows it reads) kernel built from a git revision's
 source or from the working tree, with -D flags, timed interleaved over Qwen2.5-0.5B- or SmolLM2-shaped layers
 (`--shapes`) with random weights called in model order (~700 MB by default: beyond a 300 MiB L3), 2 threads.
@@ -28,8 +28,9 @@ from tokenhaul.layers.linear_sparse import in_parts, part_width
 
 ROOT = Path(__file__).resolve().parent.parent
 SOURCES = {"int8": "tokenhaul/layers/int8_gemv.cpp", "int4": "tokenhaul/layers/int4_gemv.cpp",
-           "sparse-int8": "tokenhaul/layers/sparse_gemv.cpp"}
-NAMESPACES = {"int8": "tokenhaul_int8", "int4": "tokenhaul_int4", "sparse-int8": "tokenhaul_sparse"}
+           "sparse-int8": "tokenhaul/layers/sparse_gemv.cpp", "sparse-int4": "tokenhaul/layers/sparse_gemv.cpp"}
+NAMESPACES = {"int8": "tokenhaul_int8", "int4": "tokenhaul_int4", "sparse-int8": "tokenhaul_sparse",
+              "sparse-int4": "tokenhaul_sparse"}
 SHAPES = {"qwen2.5-0.5b": [(1152, 896), (896, 896), (9728, 896), (896, 4864)],  # qkv, o, gate_up, down
           "smollm2-135m": [(960, 576), (576, 576), (3072, 576), (576, 1536)],
           "lm-heads": [(151936, 896), (49152, 576)]}  # Qwen2.5-0.5B's and SmolLM2's
@@ -52,16 +53,20 @@ def build(kernel: str, name: str, spec: str, workdir: Path):
 def weights(kernel: str, shapes: list[tuple[int, int]], megabytes: float, rows: int, kept: float,
             threads: int, torch_scales: bool = False) -> list[tuple]:
     """Distinct random layers until `megabytes`, in model order; each entry is the op's arguments."""
-    per_layer = sum(n * k for n, k in shapes) * (0.625 if kernel == "int4" else 1)
+    per_layer = sum(n * k for n, k in shapes) * (0.625 if kernel.endswith("int4") else 1)
     layers = max(1, int(megabytes * 1e6 / per_layer))
     out = []
     for _ in range(layers):
         for n, k in shapes:
             x = torch.randn(rows, k).bfloat16()
+            threshold = torch.distributions.Normal(0.0, 1.0).icdf(torch.tensor(0.5 + (1 - kept) / 2)).item()
             if kernel == "sparse-int8":  # by input channel, in parts [P, k, w]; fp32 (scale, offset) per channel
-                threshold = torch.distributions.Normal(0.0, 1.0).icdf(torch.tensor(0.5 + (1 - kept) / 2)).item()
                 parts = in_parts(torch.randint(0, 256, (k, n), dtype=torch.uint8), part_width(n, threads))
                 out.append((x, threshold, parts, torch.rand(k, 2) * 0.01, n, 0, None, torch.zeros(2, dtype=torch.long)))
+            elif kernel == "sparse-int4":  # codes [P, k, w / 2]; bf16 (scale, zero) [k / 32, 2, n] per group
+                parts = in_parts(torch.randint(0, 256, (k, n // 2), dtype=torch.uint8), part_width(n, threads) // 2)
+                out.append((x, threshold, parts, (torch.rand(k // 32, 2, n) * 0.01).bfloat16(), n, 32, None,
+                            torch.zeros(2, dtype=torch.long)))
             elif kernel == "int8":
                 out.append((x, torch.randint(-128, 128, (n, k), dtype=torch.int8), torch.rand(n).bfloat16() * 0.01))
             else:
@@ -69,6 +74,32 @@ def weights(kernel: str, shapes: list[tuple[int, int]], megabytes: float, rows: 
                 out.append((x, torch.randint(0, 256, (n, k // 2), dtype=torch.uint8), (sz * 0.01).bfloat16(), 32,
                             block_n()))
     return out
+
+
+def by_rtt(runs: list[tuple], nbytes: float, seconds: float) -> None:
+    """Whole-sequence GB/s per variant, split by the vCPUs' placement read around each pass: a round trip under
+    150 ns (one CCD's L3) or over 250 ns (two CCDs); the hypervisor moves them every few seconds on some hosts."""
+    with tempfile.TemporaryDirectory() as tmp:
+        probe = Path(tmp) / "core_rtt"
+        subprocess.run(["cc", "-O2", "-pthread", str(ROOT / "bench/native/core_rtt.c"), "-o", str(probe)], check=True)
+
+        def rtt() -> float:
+            return float(subprocess.run([str(probe)], capture_output=True, text=True, check=True).stdout.split()[2])
+
+        rates: dict[str, dict[str, list[float]]] = {name: {"one CCD": [], "two CCDs": []} for name, _, _ in runs}
+        end = time.time() + seconds
+        while time.time() < end:
+            for name, op, variant_calls in runs:
+                before, t = rtt(), time.perf_counter()
+                for c in variant_calls:
+                    op(*c)
+                gbs, after = nbytes / (time.perf_counter() - t) / 1e9, rtt()
+                if max(before, after) < 150 or min(before, after) > 250:
+                    rates[name]["one CCD" if before < 150 else "two CCDs"].append(gbs)
+    print("| variant | one CCD: passes, GB/s median | two CCDs: passes, GB/s median |\n|---|---|---|")
+    for name, r in rates.items():
+        cells = [f"{len(v)}, {statistics.median(v):.1f}" if v else "0, –" for v in r.values()]
+        print(f"| {name} | " + " | ".join(cells) + " |")
 
 
 def main() -> None:
@@ -83,6 +114,9 @@ def main() -> None:
     ap.add_argument("--shapes", choices=sorted(SHAPES), default="qwen2.5-0.5b", help="the layer's linears")
     ap.add_argument("--torch-scales", action="store_true",
                     help="int4: scales in torch's order [K / 32, N, 2] (revisions before the unit order need it)")
+    ap.add_argument("--by-rtt", type=float, default=0, metavar="SECONDS",
+                    help="run passes for SECONDS, each between two probes of the CPU 0 <-> 1 cache-line round trip "
+                         "(bench/native/core_rtt.c), and split the GB/s by whether the vCPUs shared a CCD")
     ap.add_argument("--both-orders", action="store_true",
                     help="int4: each variant also timed on the same weights with the scales in torch's order")
     args = ap.parse_args()
@@ -94,8 +128,10 @@ def main() -> None:
     calls = weights(args.kernel, shapes, args.megabytes, args.rows, args.kept, args.threads, args.torch_scales)
 
     def read(c: tuple) -> float:  # the bytes a call reads (gathered: its kept rows)
-        if args.kernel.startswith("sparse"):
+        if args.kernel == "sparse-int8":
             return (c[2].numel() + c[3].numel() * 4) * (c[0].float().abs() >= c[1]).float().mean().item()
+        if args.kernel == "sparse-int4":  # kept codes; the scales of every group (at 0.4 nearly all are read)
+            return c[2].numel() * (c[0].float().abs() >= c[1]).float().mean().item() + c[3].numel() * 2
         return sum(t.numel() * t.element_size() for t in c[1:3] if isinstance(t, torch.Tensor))
 
     nbytes = [sum(read(c) for c in calls[i::len(shapes)]) for i in range(len(shapes))]
@@ -104,6 +140,8 @@ def main() -> None:
         torch_order = [(c[0], c[1], c[2].transpose(0, 1).reshape(c[2].shape[1], -1, 2), *c[3:]) for c in calls]
         runs = [run for name, op in ops.items()
                 for run in ((f"{name}, unit order", op, calls), (f"{name}, torch order", op, torch_order))]
+    if args.by_rtt:
+        return by_rtt(runs, sum(nbytes), args.by_rtt)
     times = {name: [] for name, _, _ in runs}  # per pass: seconds per shape
     clock = time.perf_counter
     for _ in range(args.passes):

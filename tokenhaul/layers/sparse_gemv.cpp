@@ -35,6 +35,9 @@ constexpr int64_t AHEAD = 16;
 // int8 quads walked side by side per thread (SmolLM2 / Qwen layers, 0.4, from DRAM: 1 run 13.2 / 15.1 GB/s, 2 runs
 // 13.7 / 15.8, 4 runs 14.1 / 16.2; the dense int8 GEMV reads 21-25)
 constexpr int64_t STREAMS = 4;
+#ifndef SCALES_AHEAD_GROUPS
+#define SCALES_AHEAD_GROUPS 1  // int4: the scales of the read group this many groups on are prefetched
+#endif
 
 inline float bf16_to_float(uint16_t h) { return c10::BFloat16(h, c10::BFloat16::from_bits()); }  // torch's own
 
@@ -439,9 +442,18 @@ void tile(const uint8_t* W, int64_t row_bytes, const void* sz, int64_t N, const 
     // x_i) + zero[g, c] · Σ_{i in g} x_i
     alignas(64) float part[TILE];
     int32_t j0 = 0;
+    const uint16_t* scales = static_cast<const uint16_t*>(sz) + c0;  // bf16 [K / G, 2, N] from column c0
     for (size_t g = 0; g < k.group_end.size(); ++g) {
       const int32_t j1 = k.group_end[g];
       if (j1 == j0) continue;
+#if SCALES_AHEAD_GROUPS
+      for (size_t a = g + SCALES_AHEAD_GROUPS; a < k.group_end.size(); ++a)  // the next read group's scales
+        if (k.group_end[a] > k.group_end[a - 1]) {
+          prefetch(reinterpret_cast<const uint8_t*>(scales + a * 2 * N), 2 * n);
+          prefetch(reinterpret_cast<const uint8_t*>(scales + (a * 2 + 1) * N), 2 * n);
+          break;
+        }
+#endif
       std::fill(part, part + n, 0.f);
       rows_into<K>(W, row_bytes, k, j0, j1, n, part);
       const uint16_t* s = static_cast<const uint16_t*>(sz) + static_cast<int64_t>(g) * 2 * N + c0;  // bf16
