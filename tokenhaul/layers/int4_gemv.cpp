@@ -5,8 +5,8 @@
 // work is done in units of 64 rows (one or two blocks) whatever B; value = (q - 8) * scale + zero with the
 // (scale, zero) bf16 pairs either as torch stores them, [K / group, N, 2], or in unit order, [N / 64, K / group,
 // 64, 2]: one sequential stream beside the codes' instead of 256 bytes every N * 4 (1.13-1.17x on Qwen2.5-0.5B's
-// linears from DRAM at one row, bench/RESULTS.md "Scales in unit order"). Per group the codes are summed against the activations unscaled and the
-// group's scale and zero applied after:
+// linears from DRAM at one row, bench/RESULTS.md "Scales in unit order"). Per group the codes are summed against
+// the activations unscaled and the group's scale and zero applied after:
 //   y[n] = Σ_g s[g,n] · (Σ_k q[n,k] x[k] - 8 Σ_k x[k]) + z[g,n] · Σ_k x[k].
 // Three ways to sum: fp32 FMAs on the codes widened to fp32 (fp32 activations; bf16 ones of 3 or more rows without
 // AVX-512 BF16), bf16 dot products (AVX-512 BF16), bytes times 8-bit activations (bf16 activations of 1 or 2 rows
