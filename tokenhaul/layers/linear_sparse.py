@@ -62,9 +62,8 @@ def _int8_rows(wt: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 def _int4_rows(inner: Linear) -> tuple[torch.Tensor, torch.Tensor, int] | None:
     """An Int4Linear's codes by input channel [in, out / 2] (per 16 outputs 8 bytes, byte b = q[b] | q[b + 8]
     << 4) and its (scale, zero) as [in / group, 2, out] bf16; None where it has no such groups."""
-    sz = inner.torch_scales() if hasattr(inner, "torch_scales") else None
-    group, n = getattr(inner, "group", None), inner.out_features
-    if sz is None or group is None or n % 16 or sz.dtype != torch.bfloat16:
+    sz, group, n = inner.torch_scales(), inner.group, inner.out_features
+    if n % 16 or sz.dtype != torch.bfloat16:
         return None
     sz = sz[:, :n].float()  # [in / group, out, 2]: value = (q - 8) * scale + zero
     w = inner.dequantize(torch.float32).t().reshape(-1, group, n)  # [in / group, group, out]
