@@ -23,6 +23,7 @@ from pathlib import Path
 import torch
 from torch.utils.cpp_extension import load
 
+from tokenhaul import native
 from tokenhaul.layers.linear_int4 import block_n
 from tokenhaul.layers.linear_sparse import in_parts, part_width
 
@@ -45,8 +46,8 @@ def build(kernel: str, name: str, spec: str, workdir: Path):
     namespace = f"gemv_variant_{kernel.replace('-', '_')}_{name}"
     file = workdir / f"{namespace}.cpp"
     file.write_text(text.replace(NAMESPACES[kernel], namespace))
-    load(namespace, [str(file)], extra_cflags=["-O3", "-mavx2", "-mfma", "-fopenmp", *flags.split()],
-         is_python_module=False)
+    engine_flags = native._flags()[1]  # as the engine builds it on this host; a variant's own -D flags come after
+    load(namespace, [str(file)], extra_cflags=[*engine_flags, "-fopenmp", *flags.split()], is_python_module=False)
     return getattr(torch.ops, namespace).gemv
 
 

@@ -51,3 +51,13 @@ def test_builds_wait_for_each_other_through_the_flock(tmp_path: Path, monkeypatc
     with open(guard) as f:  # and the flock is free again once the build is done
         fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
     assert started[0] - t0 > 0.5
+
+
+def test_int8_runs_per_thread_follow_the_cpu_vendor(monkeypatch: pytest.MonkeyPatch) -> None:
+    """AMD builds stream 2 weight runs per thread, others 4; the flavour names it, so each has its own build."""
+    from tokenhaul import host
+
+    for vendor, streams in (("AuthenticAMD", 2), ("GenuineIntel", 4), ("", 4)):
+        monkeypatch.setattr(host, "cpu_vendor", lambda v=vendor: v)
+        flavour, flags = native._flags()
+        assert f"-DSTREAMS={streams}" in flags and flavour.endswith(f"-s{streams}")

@@ -17,14 +17,26 @@ from pathlib import Path
 
 import torch
 
+from tokenhaul import host
+
 _loaded: dict[Path, bool] = {}
 
 
+# Weight-row runs each thread streams at once in the int8 GEMVs (dense and gathered), by CPU vendor: more runs keep
+# more lines in flight, which Intel's cores need and AMD's lose to (bench/RESULTS.md "Runs per thread by vendor":
+# Qwen2.5-0.5B's int8 lm_head on Zen 4, 2 runs 1.15x 4; Sapphire Rapids, 4 runs 1.14x 2).
+STREAMS_BY_VENDOR = {"AuthenticAMD": 2}
+STREAMS_DEFAULT = 4
+
+
 def _flags() -> tuple[str, list[str]]:
-    """-mavx2 -mfma where torch itself runs AVX2 kernels (the build is cached per machine and per flavour)."""
+    """-mavx2 -mfma where torch itself runs AVX2 kernels, and the int8 GEMVs' runs per thread for this vendor
+    (the build is cached per machine and per flavour)."""
+    streams = STREAMS_BY_VENDOR.get(host.cpu_vendor(), STREAMS_DEFAULT)
+    tuning = [f"-DSTREAMS={streams}"]
     if torch.backends.cpu.get_cpu_capability() in ("AVX2", "AVX512"):
-        return "avx2", ["-O3", "-mavx2", "-mfma"]
-    return "generic", ["-O3"]
+        return f"avx2-s{streams}", ["-O3", "-mavx2", "-mfma", *tuning]
+    return f"generic-s{streams}", ["-O3", *tuning]
 
 
 def _build_dir(name: str) -> Path:

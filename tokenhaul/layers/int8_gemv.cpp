@@ -82,8 +82,8 @@ void dot_rows(const int8_t* W, const int64_t* n, const int16_t* Xq, const float*
   }
 }
 
-#ifndef STREAMS
-#define STREAMS 4  // runs per thread at one row; 700 MB of Qwen layers, 2 threads (GB/s): 1 19.7, 2 26.5, 4 30.3, 8 28.8
+#ifndef STREAMS  // runs per thread at one row, set per CPU vendor by tokenhaul/native.py. 700 MB of Qwen layers, 2 threads
+#define STREAMS 4  // (GB/s): Sapphire Rapids 1 19.7, 2 26.5, 4 30.3, 8 28.8; Zen 4 (one CCD) 1 27.4, 2 27.4, 4 25.5
 #endif
 
 // Rows [n0, n1): with one activation row cut into STREAMS runs walked in lockstep (one sequential run keeps too

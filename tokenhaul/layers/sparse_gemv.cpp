@@ -32,9 +32,12 @@ constexpr int64_t TILE = 1024;  // most output columns per part (fp32 accumulato
 // kept rows whose slices are prefetched ahead, into L2 (all 121 SmolLM2 projections, 2 threads, int8 / bf16
 // dense ÷ gathered time: into L1 8 ahead 1.24 / 1.46, into L2 8 ahead 1.49 / 1.90, 16 ahead 1.56 / 1.93)
 constexpr int64_t AHEAD = 16;
-// int8 quads walked side by side per thread (SmolLM2 / Qwen layers, 0.4, from DRAM: 1 run 13.2 / 15.1 GB/s, 2 runs
-// 13.7 / 15.8, 4 runs 14.1 / 16.2; the dense int8 GEMV reads 21-25)
-constexpr int64_t STREAMS = 4;
+// int8 quads walked side by side per thread, set per CPU vendor by tokenhaul/native.py (SmolLM2 / Qwen layers, 0.4,
+// from DRAM, Intel: 1 run 13.2 / 15.1 GB/s, 2 runs 13.7 / 15.8, 4 runs 14.1 / 16.2; Zen 4: 4 runs 12.9 / 15.6,
+// 2 runs 12.8 / 16.6; the dense int8 GEMV reads 21-28)
+#ifndef STREAMS
+#define STREAMS 4
+#endif
 #ifndef SCALES_AHEAD_GROUPS
 #define SCALES_AHEAD_GROUPS 1  // int4: the scales of the read group this many groups on are prefetched
 #endif
