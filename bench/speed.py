@@ -2,9 +2,9 @@
 (xllamacpp) vs transformers. Decode at batch 1, 8, 32 and prefill of a 512-token prompt; ratios and
 the roofline fraction (ledger DRAM bytes per token × tokens/s ÷ read bandwidth). JSON saved.
 
-Batch-1 decode and prefill 512 are the best of `--repeats` rounds, each round tokenhaul then llama.cpp (so a slow
-spell of a shared host's memory bus — 36-75 GB/s a second apart on one Zen 5 VM — lands on both engines, not one);
-every round's figures are kept in the JSON (`rounds`). Batches 8 and 32 run once (each takes seconds).
+Every figure is the best of `--repeats` rounds, each round tokenhaul then llama.cpp (so a slow spell of a shared
+host's memory bus — 36-75 GB/s a second apart on one Zen 5 VM, the vCPUs moved between one CCD and two every
+10-20 s on a Zen 4 one — lands on both engines, not one); every round's figures are kept in the JSON (`rounds`).
 Each round also reads the bus (a 1 GiB sum, as the calibration does) just before tokenhaul's batch-1 decode; the
 roofline fraction is the median over rounds of that round's decode bytes/s ÷ its bandwidth (the cached
 calibration, measured once per machine in some other minute, is printed beside it).
@@ -64,32 +64,37 @@ def prefill_512(llm: LLM) -> float:
     return 512 / wall
 
 
-def tokenhaul_row(llm: LLM, new: int, batches: list[int]) -> dict:
-    """The multi-stream figures and the ledger's DRAM bytes per token (batch-1 decode and prefill: `rounds`)."""
+def dram_bytes_per_token(llm: LLM, new: int) -> float:
+    """The ledger's DRAM bytes per batch-1 decode token: weights and KV reads and writes."""
     timed(llm, [synthetic_prompt(64)], 4)  # warm up
     _, s = decode_1(llm, new)
-    dram = s["weight_bytes_per_token"] + sum(v for k, v in s["bytes_per_token"].items()
+    return s["weight_bytes_per_token"] + sum(v for k, v in s["bytes_per_token"].items()
                                              if k in ("kv_read_bytes", "kv_write_bytes"))
-    row = {"dram_bytes_per_token": dram}
-    for b in batches:
-        wall, outs = timed(llm, [synthetic_prompt(64, seed=i) for i in range(b)], new)
-        row[f"decode_{b}"] = sum(len(o.token_ids) for o in outs) / wall
-    return row
 
 
-def rounds(llm: LLM, gguf: str, new: int, threads: int, repeats: int, prefill: bool) -> list[dict]:
-    """`repeats` rounds of batch-1 decode (and prefill 512), tokenhaul then llama.cpp in each; each round first
-    reads the memory bus (calibrate.measure_bandwidth), so its decode is set against the bandwidth of its minute."""
+def decode_batch(llm: LLM, new: int, b: int) -> float:
+    """Tokens/s of `b` streams decoding `new` tokens each (their prefill included, as llama.cpp's figure has it)."""
+    wall, outs = timed(llm, [synthetic_prompt(64, seed=i) for i in range(b)], new)
+    return sum(len(o.token_ids) for o in outs) / wall
+
+
+def rounds(llm: LLM, gguf: str, new: int, threads: int, repeats: int, batches: list[int]) -> list[dict]:
+    """`repeats` rounds of batch-1 decode (and, where `batches` is given, prefill 512 and decode at those batches),
+    tokenhaul then llama.cpp in each; each round first reads the memory bus (calibrate.measure_bandwidth), so its
+    batch-1 decode is set against the bandwidth of its minute."""
     out = []
     for _ in range(repeats):
         bandwidth = measure_bandwidth("cpu", repeats=3)
         r = {"bandwidth_gb_per_s": bandwidth / 1e9, "tokenhaul": {"decode_1": decode_1(llm, new)[0]}, "llama.cpp": {}}
-        if prefill:
-            r["tokenhaul"]["prefill_512"] = prefill_512(llm)
         r["llama.cpp"]["decode_1"] = llamacpp_speed(gguf, synthetic_prompt(64), new, threads)["decode_tokens_per_s"]
-        if prefill:
+        if batches:
+            r["tokenhaul"]["prefill_512"] = prefill_512(llm)
             r["llama.cpp"]["prefill_512"] = llamacpp_speed(gguf, synthetic_prompt(512, seed=99), 2,
                                                            threads)["prefill_tokens_per_s"]
+        for b in batches[1:]:
+            r["tokenhaul"][f"decode_{b}"] = decode_batch(llm, new, b)
+            r["llama.cpp"][f"decode_{b}"] = llamacpp_throughput(gguf, [synthetic_prompt(64, seed=i) for i in range(b)],
+                                                                new, b, threads)["tokens_per_s"]
         out.append(r)
     return out
 
@@ -105,7 +110,7 @@ def main() -> None:
                     help="comma list of --compile modes (auto, on, off): batch-1 decode is measured under each, the "
                          "full row under the last; default: the engine's default only")
     ap.add_argument("--no-hf", action="store_true")
-    ap.add_argument("--repeats", type=int, default=3, help="rounds of batch-1 decode and prefill (best kept)")
+    ap.add_argument("--repeats", type=int, default=3, help="rounds of every measurement (best kept)")
     ap.add_argument("--out", default="bench/speed.json")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
@@ -127,8 +132,8 @@ def main() -> None:
             load_s = time.perf_counter() - t0
             gguf = llm.files.gguf_path
             compiled = llm.core.runner.compiled
-            th = tokenhaul_row(llm, args.new_tokens, batches if last else [])
-            seen = rounds(llm, gguf, args.new_tokens, args.threads, args.repeats, prefill=last)
+            th = {"dram_bytes_per_token": dram_bytes_per_token(llm, args.new_tokens)}
+            seen = rounds(llm, gguf, args.new_tokens, args.threads, args.repeats, [1, *batches] if last else [])
             for engine, row in (("tokenhaul", th), ("llama.cpp", lc_row)):
                 for key in seen[0][engine]:
                     row[key] = max([r[engine][key] for r in seen] + [row.get(key, 0.0)])  # llama.cpp: all modes' rounds
@@ -142,9 +147,6 @@ def main() -> None:
             del llm, compiled
             gc.collect()
         th["compile"] = compile_modes
-        for b in batches:
-            lc_row[f"decode_{b}"] = llamacpp_throughput(gguf, [synthetic_prompt(64, seed=i) for i in range(b)],
-                                                        args.new_tokens, b, args.threads)["tokens_per_s"]
         entry = {"tokenhaul": th, "llama.cpp": lc_row}
         if not args.no_hf:
             hf = hf_speed(gguf, synthetic_prompt(64), args.new_tokens, args.threads)
