@@ -68,8 +68,8 @@ def dram_bytes_per_token(llm: LLM, new: int) -> float:
     """The ledger's DRAM bytes per batch-1 decode token: weights and KV reads and writes."""
     timed(llm, [synthetic_prompt(64)], 4)  # warm up
     _, s = decode_1(llm, new)
-    return s["weight_bytes_per_token"] + sum(v for k, v in s["bytes_per_token"].items()
-                                             if k in ("kv_read_bytes", "kv_write_bytes"))
+    kv = sum(v for k, v in s["bytes_per_token"].items() if k in ("kv_read_bytes", "kv_write_bytes"))
+    return s["weight_bytes_per_token"] + kv
 
 
 def decode_batch(llm: LLM, new: int, b: int) -> float:

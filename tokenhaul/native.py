@@ -24,7 +24,8 @@ _loaded: dict[Path, bool] = {}
 
 # Weight-row runs each thread streams at once in the int8 GEMVs (dense and gathered), by CPU vendor: more runs keep
 # more lines in flight, which Intel's cores need and AMD's lose to (bench/RESULTS.md "Runs per thread by vendor":
-# Qwen2.5-0.5B's int8 lm_head on Zen 4, 2 runs 1.15x 4; Sapphire Rapids, 4 runs 1.14x 2).
+# on Zen 4 the Qwen2.5-0.5B and SmolLM2 lm_heads read 1.13x with 2 runs than with 4; on Sapphire Rapids Qwen's
+# layers read 1.14x with 4 than with 2).
 STREAMS_BY_VENDOR = {"AuthenticAMD": 2}
 STREAMS_DEFAULT = 4
 
