@@ -459,7 +459,7 @@ void tile(const uint8_t* W, int64_t row_bytes, const void* sz, int64_t N, const 
 #endif
       std::fill(part, part + n, 0.f);
       rows_into<K>(W, row_bytes, k, j0, j1, n, part);
-      const uint16_t* s = static_cast<const uint16_t*>(sz) + static_cast<int64_t>(g) * 2 * N + c0;  // bf16
+      const uint16_t* s = scales + static_cast<int64_t>(g) * 2 * N;  // this group's scales, then its zeros
       const uint16_t* o = s + N;
       const float xs = k.group_sum[g];
       int64_t c = 0;
