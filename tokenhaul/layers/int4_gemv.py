@@ -3,9 +3,10 @@
 
 A small C++ kernel (int4_gemv.cpp, built on first use: tokenhaul/native.py), registered as a torch op with a fake
 implementation so the compiled decode step can call it. Per group the codes are summed against the activations
-and the group's scale and zero applied to the sum. bf16 activations: with AVX-512 BF16 as bf16 dot products of
-the codes (exact as bf16) with the activations; else (AVX2) quantized to 8 bits per 16 inputs and multiplied as
-bytes (`vpmaddubsw`, llama.cpp's way). fp32 activations: AVX2 FMAs on the codes as fp32.
+and the group's scale and zero applied to the sum. bf16 activations of 1-2 rows: quantized to 8 bits per 16
+inputs and multiplied as bytes (llama.cpp's way: `vpdpbusd` with AVX-512 VNNI, else `vpmaddubsw`); of more rows,
+with AVX-512 BF16, bf16 dot products of the codes (exact as bf16) with the activations. fp32 activations and the
+rest: AVX2 FMAs on the codes as fp32.
 Without a C++ compiler `Int4Linear` keeps `_weight_int4pack_mm_for_cpu` (one stderr line says so)."""
 
 from __future__ import annotations
@@ -42,9 +43,8 @@ def _avx512_bf16() -> bool:
 
 def eight_bit_activations(rows: int, block: int) -> bool:
     """Whether bf16 activations of `rows` rows are quantized to 8 bits per QBLOCK inputs (int4_gemv.cpp: one or
-    two rows, unless AVX-512 BF16 reads the `block`-row layout); fp32 ones never are."""
-    simd = torch.backends.cpu.get_cpu_capability() in ("AVX2", "AVX512")
-    return rows <= 2 and simd and not (block == 64 and _avx512_bf16())
+    two rows, with AVX2 or AVX-512; `block` is the layout's, kept for callers); fp32 ones never are."""
+    return rows <= 2 and torch.backends.cpu.get_cpu_capability() in ("AVX2", "AVX512")
 
 
 def quantize_activations(x: torch.Tensor) -> torch.Tensor:
