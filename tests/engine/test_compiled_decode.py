@@ -74,7 +74,7 @@ def test_compiled_step_matches_eager(arch, quant, sparsity, kv_dtype):
     while core.has_unfinished():
         core.step()
     assert len(compared) == 23  # every decode step after the prompt's went through the graph
-    # bf16 rounding: 3 % of the largest logit. int4 with 8-bit activations (AVX2 hosts): the graph's bf16 inputs
+    # bf16 rounding: 3 % of the largest logit. int4 with 8-bit activations (one row): the graph's bf16 inputs
     # differ from eager's by rounding, and quantizing each to 8 bits per 16 inputs turns that into whole steps of
     # max|x| / 127 on some inputs — seen up to 3.5 % on this tiny random model (the real models' greedy agreement
     # with fp32 is tests/models/test_packed_real.py)
