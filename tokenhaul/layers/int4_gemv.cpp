@@ -67,6 +67,39 @@ inline const uint16_t* unit_scales(const Problem& p, int64_t g, int64_t b) {
 
 constexpr int64_t QBLOCK = 16;  // inputs per activation scale of the 8-bit path
 
+// One QBLOCK of x to int8: q = round-to-even(x · 127 / max|x|); returns max|x|, and the codes' sum in *sum.
+inline float quantize_block(const float* x, int8_t* q, int32_t* sum) {
+#ifdef __AVX2__
+  static_assert(QBLOCK == 16, "two 8-float registers");
+  const __m256 a = _mm256_loadu_ps(x), b = _mm256_loadu_ps(x + 8), sign = _mm256_set1_ps(-0.0f);
+  const __m256 m = _mm256_max_ps(_mm256_andnot_ps(sign, b),  // a NaN is passed over, as std::max does
+                                 _mm256_max_ps(_mm256_andnot_ps(sign, a), _mm256_setzero_ps()));
+  __m128 h = _mm_max_ps(_mm256_castps256_ps128(m), _mm256_extractf128_ps(m, 1));
+  h = _mm_max_ps(h, _mm_movehl_ps(h, h));
+  const float amax = _mm_cvtss_f32(_mm_max_ss(h, _mm_movehdup_ps(h)));
+  const __m256 inv = _mm256_set1_ps(amax > 0.0f ? 127.0f / amax : 0.0f);
+  const __m256i qa = _mm256_cvtps_epi32(_mm256_mul_ps(a, inv)), qb = _mm256_cvtps_epi32(_mm256_mul_ps(b, inv));
+  const __m256i q16 = _mm256_permute4x64_epi64(_mm256_packs_epi32(qa, qb), 0xD8);  // 16 codes in order
+  _mm_storeu_si128(reinterpret_cast<__m128i*>(q),
+                   _mm_packs_epi16(_mm256_castsi256_si128(q16), _mm256_extracti128_si256(q16, 1)));
+  __m128i t = _mm_add_epi32(_mm256_castsi256_si128(_mm256_add_epi32(qa, qb)),
+                            _mm256_extracti128_si256(_mm256_add_epi32(qa, qb), 1));
+  t = _mm_add_epi32(t, _mm_shuffle_epi32(t, 0x4E));
+  *sum = _mm_cvtsi128_si32(_mm_add_epi32(t, _mm_shuffle_epi32(t, 0xB1)));
+  return amax;
+#else
+  float amax = 0.0f;
+  for (int64_t j = 0; j < QBLOCK; ++j) amax = std::max(amax, std::fabs(x[j]));
+  const float inv = amax > 0.0f ? 127.0f / amax : 0.0f;
+  *sum = 0;
+  for (int64_t j = 0; j < QBLOCK; ++j) {
+    q[j] = static_cast<int8_t>(std::nearbyint(x[j] * inv));
+    *sum += q[j];
+  }
+  return amax;
+#endif
+}
+
 #ifdef __AVX2__
 // out[TM][64] += rows m0.. of x against group g of unit b (64 rows). TM rows at once, SL of the unit's four
 // 8-byte slices at once (each slice: 8 rows from the low nibbles, the 8 rows B / 2 further from the high ones).
@@ -519,14 +552,8 @@ at::Tensor gemv(const at::Tensor& x, const at::Tensor& weight, const at::Tensor&
     xd.resize(m * k / QBLOCK);
     std::vector<float> block_sum(m * k / QBLOCK);
     for (int64_t i = 0; i < m * k / QBLOCK; ++i) {
-      float amax = 0.0f;
-      for (int64_t j = 0; j < QBLOCK; ++j) amax = std::max(amax, std::fabs(xf[i * QBLOCK + j]));
-      const float d = amax / 127.0f, inv = amax > 0.0f ? 127.0f / amax : 0.0f;
-      int32_t sum = 0;
-      for (int64_t j = 0; j < QBLOCK; ++j) {
-        xq[i * QBLOCK + j] = static_cast<int8_t>(std::nearbyint(xf[i * QBLOCK + j] * inv));
-        sum += xq[i * QBLOCK + j];
-      }
+      int32_t sum;
+      const float d = quantize_block(xf + i * QBLOCK, xq.data() + i * QBLOCK, &sum) / 127.0f;
       xd[i] = d;
       block_sum[i] = d * static_cast<float>(sum);
     }

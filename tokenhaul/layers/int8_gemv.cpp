@@ -108,6 +108,35 @@ void run(const int8_t* W, const int16_t* Xq, const float* xs, const uint16_t* S,
   at::parallel_for(0, N, grain, [&](int64_t n0, int64_t n1) { rows_dot<M>(W, Xq, xs, S, K, N, n0, n1, Y); });
 }
 
+float abs_max(const float* x, int64_t K) {
+  float amax = 0.f;
+  int64_t k = 0;
+#ifdef __AVX2__
+  __m256 m = _mm256_setzero_ps();
+  const __m256 sign = _mm256_set1_ps(-0.0f);
+  for (; k + 8 <= K; k += 8) m = _mm256_max_ps(_mm256_andnot_ps(sign, _mm256_loadu_ps(x + k)), m);  // NaN: m kept
+  alignas(32) float lanes[8];
+  _mm256_store_ps(lanes, m);
+  for (float v : lanes) amax = std::max(amax, v);
+#endif
+  for (; k < K; ++k) amax = std::max(amax, std::fabs(x[k]));
+  return amax;
+}
+
+// q = round-to-even(x · inv) as int16 (|x · inv| <= 32767 here)
+void quantize_row(const float* x, int64_t K, float inv, int16_t* q) {
+  int64_t k = 0;
+#ifdef __AVX2__
+  const __m256 iv = _mm256_set1_ps(inv);
+  for (; k + 16 <= K; k += 16) {
+    const __m256i a = _mm256_cvtps_epi32(_mm256_mul_ps(_mm256_loadu_ps(x + k), iv));
+    const __m256i b = _mm256_cvtps_epi32(_mm256_mul_ps(_mm256_loadu_ps(x + k + 8), iv));
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(q + k), _mm256_permute4x64_epi64(_mm256_packs_epi32(a, b), 0xD8));
+  }
+#endif
+  for (; k < K; ++k) q[k] = static_cast<int16_t>(std::nearbyint(x[k] * inv));
+}
+
 }  // namespace
 
 constexpr int64_t MAX_ROWS = 8;  // rows per pass over the weights (one template per row count)
@@ -124,11 +153,9 @@ at::Tensor int8_gemv(const at::Tensor& x, const at::Tensor& weight, const at::Te
   std::vector<float> xs(M);
   const float* xp = xf.data_ptr<float>();
   for (int64_t m = 0; m < M; ++m) {
-    float amax = 0.f;
-    for (int64_t k = 0; k < K; ++k) amax = std::max(amax, std::fabs(xp[m * K + k]));
+    const float amax = abs_max(xp + m * K, K);
     xs[m] = amax > 0.f ? amax / 32767.f : 1.f;
-    const float inv = 1.f / xs[m];
-    for (int64_t k = 0; k < K; ++k) xq[m * K + k] = static_cast<int16_t>(std::nearbyint(xp[m * K + k] * inv));
+    quantize_row(xp + m * K, K, 1.f / xs[m], xq.data() + m * K);
   }
   at::Tensor y = at::empty({M, N}, x.options().dtype(at::kFloat));
   const int8_t* W = weight.data_ptr<int8_t>();
