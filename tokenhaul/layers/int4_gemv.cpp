@@ -260,6 +260,14 @@ void block_rows_i8(const Problem& p, int64_t b, int64_t g, float* out) {
 
 #define AVX512_BF16 __attribute__((target("avx512f,avx512bw,avx512vl,avx512vbmi,avx512bf16")))
 
+// The (scale, zero) pairs of rows 16 j .. 16 j + 15 of a unit as fp32 (a bf16 is an fp32's high half).
+__attribute__((target("avx512f"), always_inline)) inline void scales16(const uint16_t* szb, int j, __m512& scale,
+                                                                       __m512& zero) {
+  const __m512i v = _mm512_loadu_si512(szb + j * 32);
+  scale = _mm512_castsi512_ps(_mm512_slli_epi32(v, 16));
+  zero = _mm512_castsi512_ps(_mm512_and_si512(v, _mm512_set1_epi32(static_cast<int>(0xffff0000u))));
+}
+
 // The byte permutation below: output byte 4r + {0, 1, 2, 3} = {code of row r at k, 0x3F, at k + 1, 0x3F}.
 struct Pairs {
   alignas(64) uint8_t idx[2][64];
@@ -312,7 +320,6 @@ AVX512_BF16 void block_rows_bf16(const Problem& p, int64_t b, int64_t g, int64_t
   const uint8_t* wb = p.w + b * k * 32;
   const uint32_t* xp = p.xpairs + m0 * half;
   const float* xs = p.xs + m0 * groups;
-  const __m512i high16 = _mm512_set1_epi32(static_cast<int>(0xffff0000u));
   __m512 first[TM][4], second[TM][4];  // the group's first and second half of input pairs
   for (int m = 0; m < TM; ++m)
     for (int j = 0; j < 4; ++j) first[m][j] = second[m][j] = _mm512_setzero_ps();
@@ -334,9 +341,8 @@ AVX512_BF16 void block_rows_bf16(const Problem& p, int64_t b, int64_t g, int64_t
   }
   const uint16_t* szb = unit_scales(p, g, b);
   for (int j = 0; j < 4; ++j) {
-    const __m512i v = _mm512_loadu_si512(szb + j * 32);  // rows 16 j .. 16 j + 15: (scale, zero) pairs
-    const __m512 scale = _mm512_castsi512_ps(_mm512_slli_epi32(v, 16));
-    const __m512 zero = _mm512_castsi512_ps(_mm512_and_si512(v, high16));
+    __m512 scale, zero;
+    scales16(szb, j, scale, zero);
     for (int m = 0; m < TM; ++m) {
       const float sx = xs[m * groups + g];
       float* o = out + m * 64 + j * 16;
@@ -402,12 +408,10 @@ AVX512_VNNI void block_rows_vnni(const Problem& p, int64_t b, int64_t g, float* 
       for (int j = 0; j < 4; ++j) acc[m][j] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(s32[m][j]), d, acc[m][j]);
     }
   }
-  const __m512i high16 = _mm512_set1_epi32(static_cast<int>(0xffff0000u));
   const uint16_t* szb = unit_scales(p, g, b);
   for (int j = 0; j < 4; ++j) {
-    const __m512i v = _mm512_loadu_si512(szb + j * 32);  // rows 16 j .. 16 j + 15: (scale, zero) pairs
-    const __m512 scale = _mm512_castsi512_ps(_mm512_slli_epi32(v, 16));
-    const __m512 zero = _mm512_castsi512_ps(_mm512_and_si512(v, high16));
+    __m512 scale, zero;
+    scales16(szb, j, scale, zero);
     for (int m = 0; m < TM; ++m) {
       const float sx = p.xs[m * groups + g];
       float* o = out + m * 64 + j * 16;
