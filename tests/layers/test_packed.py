@@ -107,7 +107,7 @@ def test_kernels_read_both_layouts(block):
     for rows in (x[:1], x[:2], x):  # bf16 activations: the 8-bit path (1-2 rows, where it runs) reads both too
         xb = rows.bfloat16()
         y = torch.ops.tokenhaul_int4.gemv(xb, packed, sz, group, block).double()
-        eight = int4_gemv.eight_bit_activations(len(rows), block)
+        eight = int4_gemv.eight_bit_activations(len(rows))
         ref = (int4_gemv.quantize_activations(xb) if eight else xb).double() @ w.double().t()
         assert ((y - ref).abs() <= 2 ** -8 * ref.abs() + 1e-4 * (xb.double().abs() @ w.double().abs().t())).all()
 
@@ -192,7 +192,7 @@ def check_int4_gemv(n: int, k_groups: int, m: int, group: int, threads: int, see
     terms = x.double().abs() @ deq.abs().t()
     assert ((y32.double() - x.double() @ deq.t()).abs() <= 1e-4 * terms).all()
     ref16 = x.bfloat16().double() @ deq.t()
-    if int4_gemv.eight_bit_activations(m, lin.block):  # it multiplies the 8-bit x: to fp32 rounding of that product,
+    if int4_gemv.eight_bit_activations(m):  # it multiplies the 8-bit x: to fp32 rounding of that product,
         xq = int4_gemv.quantize_activations(x.bfloat16()).double()
         exact = xq @ deq.t()
         assert ((y16.double() - exact).abs() <= 2 ** -8 * exact.abs() + 1e-4 * terms).all()
@@ -204,7 +204,7 @@ def check_int4_gemv(n: int, k_groups: int, m: int, group: int, threads: int, see
     else:
         assert ((y16.double() - ref16).abs() <= 2 ** -8 * ref16.abs() + 1e-4 * terms).all()
     assert torch.equal(torch.cat(rows), y32)
-    if int4_gemv.eight_bit_activations(1, lin.block) == int4_gemv.eight_bit_activations(m, lin.block):  # one way
+    if int4_gemv.eight_bit_activations(1) == int4_gemv.eight_bit_activations(m):  # one way
         assert torch.equal(torch.cat(rows16)[:, :n], y16)
 
 

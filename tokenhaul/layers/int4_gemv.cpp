@@ -12,10 +12,9 @@
 // AVX-512 BF16), bf16 dot products (AVX-512 BF16, 3 or more rows), bytes times 8-bit activations (bf16 activations
 // of 1 or 2 rows: VPDPBUSD with AVX-512 VNNI, else VPMADDUBSW, the same quantized sums). Within a way each row goes
 // through the same operations whatever the row count, so a row's result depends on its batch only through which
-// way its row count takes. Work is split evenly over threads
-// in (block, group) units; a large weight's share of a thread is cut in parts walked together (more streams in
-// flight), each part in memory order with the scales of a unit a few ahead prefetched; a block two parts share
-// is summed after the parallel region.
+// way its row count takes. Work is split evenly over threads in (block, group) units; a large weight's share of a
+// thread is cut in parts walked together (more streams in flight), each part in memory order with the scales of a
+// unit a few ahead prefetched; a block two parts share is summed after the parallel region.
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 

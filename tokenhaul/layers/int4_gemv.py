@@ -41,9 +41,9 @@ def _avx512_bf16() -> bool:
     return {"avx512_bf16", "avx512vbmi", "avx512bw", "avx512vl"} <= set(flags.split())
 
 
-def eight_bit_activations(rows: int, block: int) -> bool:
+def eight_bit_activations(rows: int) -> bool:
     """Whether bf16 activations of `rows` rows are quantized to 8 bits per QBLOCK inputs (int4_gemv.cpp: one or
-    two rows, with AVX2 or AVX-512; `block` is the layout's, kept for callers); fp32 ones never are."""
+    two rows, with AVX2 or AVX-512); fp32 ones never are."""
     return rows <= 2 and torch.backends.cpu.get_cpu_capability() in ("AVX2", "AVX512")
 
 
