@@ -77,6 +77,26 @@ def weights(kernel: str, shapes: list[tuple[int, int]], megabytes: float, rows: 
     return out
 
 
+def in_one_block(calls: list[tuple]) -> list[tuple]:
+    """The same calls with every weight tensor copied into one allocation (huge pages where torch's allocator
+    asks for them: blocks of 2 MB and more), 64-byte aligned, in call order."""
+    weights_of = [[t for t in c[1:] if isinstance(t, torch.Tensor)] for c in calls]
+    total = sum((t.nbytes + 63) // 64 * 64 for ts in weights_of for t in ts)
+    block = torch.empty(total, dtype=torch.uint8)
+    offset, out = 0, []
+    for c in calls:
+        moved = []
+        for t in c[1:]:
+            if isinstance(t, torch.Tensor):
+                view = block[offset:offset + t.nbytes].view(t.dtype).view(t.shape)
+                view.copy_(t)
+                offset += (t.nbytes + 63) // 64 * 64
+                t = view
+            moved.append(t)
+        out.append((c[0], *moved))
+    return out
+
+
 def by_rtt(runs: list[tuple], nbytes: float, seconds: float) -> None:
     """Whole-sequence GB/s per variant, split by the vCPUs' placement read around each pass: a round trip under
     150 ns (one CCD's L3) or over 250 ns (two CCDs); the hypervisor moves them every few seconds on some hosts."""
@@ -120,6 +140,8 @@ def main() -> None:
                          "(bench/native/core_rtt.c), and split the GB/s by whether the vCPUs shared a CCD")
     ap.add_argument("--both-orders", action="store_true",
                     help="int4: each variant also timed on the same weights with the scales in torch's order")
+    ap.add_argument("--one-block", action="store_true",
+                    help="each variant also timed on the same weights copied into one allocation (huge pages)")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     with tempfile.TemporaryDirectory() as tmp:
@@ -141,6 +163,10 @@ def main() -> None:
         torch_order = [(c[0], c[1], c[2].transpose(0, 1).reshape(c[2].shape[1], -1, 2), *c[3:]) for c in calls]
         runs = [run for name, op in ops.items()
                 for run in ((f"{name}, unit order", op, calls), (f"{name}, torch order", op, torch_order))]
+    if args.one_block:
+        block_calls = in_one_block(calls)
+        runs = [run for name, op, variant_calls in runs
+                for run in ((name, op, variant_calls), (f"{name}, one block", op, block_calls))]
     if args.by_rtt:
         return by_rtt(runs, sum(nbytes), args.by_rtt)
     times = {name: [] for name, _, _ in runs}  # per pass: seconds per shape

@@ -41,3 +41,10 @@ def test_auto_agrees_with_fp32_greedy(smollm):
         total += n
     assert total == 20 * 32
     assert same / total >= 0.95, same / total
+    # the loader moved every linear and the embedding into one huge-page block (layers/weight_block.py)
+    model = auto.model
+    holders = [model.embed, model.lm_head, *(lin for layer in model.layers
+                                             for lin in (layer.qkv, layer.o, layer.gate_up, layer.down))]
+    storages = {t.untyped_storage().data_ptr() for h in holders for t in vars(h).values()
+                if isinstance(t, torch.Tensor)}
+    assert len(storages) == 1 and model.layers[0].qkv.weight.data_ptr() % 64 == 0

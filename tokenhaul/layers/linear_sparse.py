@@ -21,6 +21,7 @@ import torch
 
 from tokenhaul import native
 from tokenhaul.layers.linear import Linear, low_precision_gemm_is_fast, register
+from tokenhaul.layers.weight_block import gather_weights
 
 # Rows at or under which the gathered kernel runs: bf16 rows for batch-1 and batch-2 steps, packed rows (int8, int4)
 # for batch-1 decodes only. Set from the serial kernel's table (bench/bytes.py, 2026-11-30); the parallel kernel's
@@ -204,3 +205,6 @@ def sparsify(model, thresholds: dict[str, float], sparsity: float, max_rows: int
                                                                   sparsity))
     if "lm_head" in thresholds:  # a tied 0.5B head is 28 % of the int8 bytes: dense, it held the saving under 30 %
         model.lm_head = SparseLinear.wrap(model.lm_head, thresholds["lm_head"], max_rows, sparsity)
+    # the rows in one huge-page block, as the dense weights are (models/registry.py)
+    gather_weights([lin for lin in [*(getattr(layer, n, None) for layer in model.layers for n in SPARSE_LINEARS),
+                                    model.lm_head] if isinstance(lin, SparseLinear)])

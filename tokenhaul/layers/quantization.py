@@ -66,6 +66,7 @@ class LinearFactory:
         self.exact = spec.mode == "none" or (spec.mode == "auto" and dtype == torch.float32)
         self.cache = cache if cache is not None else {}
         self.built: dict[str, Linear] = {}  # non-dense linears converted in this load (to save)
+        self.made: list[Linear | Embedding] = []  # everything made, in order (layers/weight_block.py)
         self._warned: set[str] = set()
 
     @classmethod
@@ -108,11 +109,14 @@ class LinearFactory:
                 lin.packed_rows = 0  # the integer GEMM's int32 sums are exact, so each row is its own
                 lin.gemv = False
             lin.widen = False  # no fp32 GEMM from some row count on (AVX2 hosts), even where it is faster
+        self.made.append(lin)
         return lin
 
     def embedding(self, table: Part) -> Embedding:
         if isinstance(table, GGUFWeight) and not self.exact:
-            return Embedding(table, self.device, self.dtype)
-        if isinstance(table, GGUFWeight):
-            table = table.dequantize()
-        return Embedding(table.to(self.dtype), self.device, self.dtype)
+            embedding = Embedding(table, self.device, self.dtype)
+        else:
+            embedding = Embedding((table.dequantize() if isinstance(table, GGUFWeight) else table).to(self.dtype),
+                                  self.device, self.dtype)
+        self.made.append(embedding)
+        return embedding

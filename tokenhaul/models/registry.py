@@ -10,6 +10,7 @@ import torch
 from tokenhaul.kv.cache import KVCache
 from tokenhaul.layers.attention import AttentionMetadata
 from tokenhaul.layers.quantization import LinearFactory, QuantSpec
+from tokenhaul.layers.weight_block import gather_weights
 from tokenhaul.models.config import ModelConfig
 from tokenhaul.models.gemma3 import Gemma3Model
 from tokenhaul.models.gguf import load_gguf
@@ -40,4 +41,7 @@ def load_model(gguf_path, dtype: torch.dtype, device: str, max_model_len: int | 
     model = ARCHITECTURES[config.arch](config, tensors, max_len, factory)
     if cache and factory.built:
         cache.save(factory.built)
+    made = factory.made
+    del factory  # its loaded cache holds the tensors' first copies
+    gather_weights(made)  # one huge-page block, in build order (CPU tensors only)
     return model
