@@ -12,7 +12,11 @@ from tokenhaul.sampling_params import SamplingParams
 
 
 class Holder:
-    pass
+    def __init__(self, *weights: str) -> None:
+        self.weights = weights
+
+    def tensors(self) -> list[torch.Tensor]:
+        return [getattr(self, name) for name in self.weights]
 
 
 def test_block_starts_on_a_huge_page():
@@ -23,10 +27,11 @@ def test_block_starts_on_a_huge_page():
 
 
 def test_values_views_and_shared_storages_survive():
-    a, b = Holder(), Holder()
+    a, b = Holder("w", "bias", "codes"), Holder("tied", "tail")
     w = torch.randn(300, 70).bfloat16()
-    a.w, a.wt, a.bias = w, w.t(), torch.randn(5)
+    a.w, a.wt, a.bias = w, w.t(), torch.randn(5)  # wt: a view of a weight, not one itself
     a.codes = torch.randint(-128, 128, (33, 7), dtype=torch.int8)
+    a.counter = torch.zeros(2, dtype=torch.long)  # state a kernel writes: not a weight, stays
     b.tied, b.tail, b.not_a_tensor = w, torch.arange(100.0)[10:20], [w]
     before = {(id(h), k): v.clone() for h in (a, b) for k, v in vars(h).items() if isinstance(v, torch.Tensor)}
     moved = gather_weights([a, b])
@@ -38,6 +43,7 @@ def test_values_views_and_shared_storages_survive():
                 assert v.data_ptr() % 4 == 0
     storage = a.w.untyped_storage().data_ptr()
     assert all(t.untyped_storage().data_ptr() == storage for t in (a.wt, a.bias, a.codes, b.tied, b.tail))
+    assert a.counter.untyped_storage().data_ptr() != storage
     assert a.wt.stride() == (1, 70) and b.tail.shape == (10,)
     a.w[0, 0] = 3.0  # still one copy: the transposed view and the tied table see the write
     assert float(a.wt[0, 0]) == 3.0 and float(b.tied[0, 0]) == 3.0
@@ -65,6 +71,5 @@ def test_logits_unchanged_after_the_move(tiny_core, quantization):
     before = logits()
     assert gather_weights(make.made) > 0
     assert torch.equal(logits(), before)
-    storages = {t.untyped_storage().data_ptr() for lin in make.made for t in vars(lin).values()
-                if isinstance(t, torch.Tensor)}
+    storages = {t.untyped_storage().data_ptr() for lin in make.made for t in lin.tensors()}
     assert len(storages) == 1

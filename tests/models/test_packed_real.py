@@ -45,6 +45,5 @@ def test_auto_agrees_with_fp32_greedy(smollm):
     model = auto.model
     holders = [model.embed, model.lm_head, *(lin for layer in model.layers
                                              for lin in (layer.qkv, layer.o, layer.gate_up, layer.down))]
-    storages = {t.untyped_storage().data_ptr() for h in holders for t in vars(h).values()
-                if isinstance(t, torch.Tensor)}
+    storages = {t.untyped_storage().data_ptr() for h in holders for t in h.tensors()}
     assert len(storages) == 1 and model.layers[0].qkv.weight.data_ptr() % 64 == 0

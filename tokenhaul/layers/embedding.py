@@ -46,6 +46,10 @@ class Embedding:
         else:
             self.weight = self.table = table.to(device)
 
+    def tensors(self) -> list[torch.Tensor]:
+        """The table, whole (a step reads only its rows: `row_bytes` each)."""
+        return [self.weight]
+
     @property
     def row_bytes(self) -> int:
         return self.weight.shape[1] * self.weight.element_size()

@@ -29,15 +29,19 @@ def huge_page_block(nbytes: int) -> torch.Tensor:
     return whole[start:start + nbytes]
 
 
-def _tensor_fields(holder: object) -> list[tuple[str, torch.Tensor]]:
-    return [(name, v) for name, v in vars(holder).items() if isinstance(v, torch.Tensor) and v.device.type == "cpu"
-            and v.untyped_storage().data_ptr() not in _BLOCKS]
+def _tensor_fields(holder) -> list[tuple[str, torch.Tensor]]:
+    """The holder's attributes that hold its weights (`tensors()`) or views of them: counters and other state a
+    kernel writes stay where they are (the compiled step cannot take a written input viewed at another dtype)."""
+    storages = {t.untyped_storage().data_ptr() for t in holder.tensors() if t.device.type == "cpu"} - _BLOCKS
+    return [(name, v) for name, v in vars(holder).items()
+            if isinstance(v, torch.Tensor) and v.untyped_storage().data_ptr() in storages]
 
 
 def gather_weights(holders: Iterable[object]) -> int:
-    """Move every CPU tensor attribute of `holders` (linears, embeddings) into one huge-page block, storage by
-    storage in order: views stay views of one storage (a tied lm_head and its embedding stay one copy). Returns
-    the bytes moved; the memory they leave is handed back to the system (glibc: malloc_trim)."""
+    """Move the CPU weights of `holders` (linears, embeddings: each one's `tensors()` and the attributes that
+    view them) into one huge-page block, storage by storage in order: views stay views of one storage (a tied
+    lm_head and its embedding stay one copy). Returns the bytes moved; the memory they leave is handed back to
+    the system (glibc: malloc_trim)."""
     holders = list(holders)
     offsets: dict[int, int] = {}  # storage address → offset in the block
     total = 0
