@@ -18,7 +18,7 @@ from tokenhaul.errors import TokenhaulError
 from tokenhaul.layers.linear_dense import DenseLinear
 from tokenhaul.layers.linear_int4 import Int4Linear
 from tokenhaul.layers.linear_int8 import Int8Linear
-from tokenhaul.layers.linear_sparse import SparseLinear, sparsify
+from tokenhaul.layers.linear_sparse import SPARSE_LINEARS, SparseLinear, sparsify
 from tokenhaul.layers.sparse_calibration import calibrate
 from tokenhaul.ledger.costs import ModelCosts, step_costs
 
@@ -147,6 +147,9 @@ def test_calibration_reaches_target_and_sparsify_counts_bytes():
         assert abs(below / total - 0.4) < 0.02, key
     dense = ModelCosts.from_model(model, 4)
     sparsify(model, th, 0.4)
+    sparse = [model.lm_head, *(getattr(layer, n) for layer in model.layers for n in SPARSE_LINEARS)]
+    assert len({lin.rows.untyped_storage().data_ptr() for lin in sparse}) == 1  # in one huge-page block
+    assert sparse[0].kept.untyped_storage().data_ptr() != sparse[0].rows.untyped_storage().data_ptr()
     mc = ModelCosts.from_model(model, 4)
     assert mc.sparsity == 0.4 and mc.sparse_rows == ((2, dense.layer_weight_bytes),)  # fp32 rows: gathered ≤ 2
     assert mc.sparse_row_bytes == mc.layer_weight_bytes == dense.layer_weight_bytes

@@ -196,15 +196,16 @@ SPARSE_LINEARS = ("qkv", "o", "gate_up", "down")  # every projection of a layer;
 
 
 def sparsify(model, thresholds: dict[str, float], sparsity: float, max_rows: int | None = None) -> None:
-    """Replace each layer projection named in `thresholds` ("blk.{i}.{name}") by its SparseLinear."""
+    """Replace each layer projection named in `thresholds` ("blk.{i}.{name}") by its SparseLinear; their rows
+    then move into one huge-page block, as the dense weights did at load (layers/weight_block.py)."""
+    wrapped: list[SparseLinear] = []
     for i, layer in enumerate(model.layers):
         for name in SPARSE_LINEARS:
             key = f"blk.{i}.{name}"
             if key in thresholds and hasattr(layer, name):
-                setattr(layer, name, SparseLinear.wrap(getattr(layer, name), thresholds[key], max_rows,
-                                                                  sparsity))
+                wrapped.append(SparseLinear.wrap(getattr(layer, name), thresholds[key], max_rows, sparsity))
+                setattr(layer, name, wrapped[-1])
     if "lm_head" in thresholds:  # a tied 0.5B head is 28 % of the int8 bytes: dense, it held the saving under 30 %
         model.lm_head = SparseLinear.wrap(model.lm_head, thresholds["lm_head"], max_rows, sparsity)
-    # the rows in one huge-page block, as the dense weights are (models/registry.py)
-    gather_weights([lin for lin in [*(getattr(layer, n, None) for layer in model.layers for n in SPARSE_LINEARS),
-                                    model.lm_head] if isinstance(lin, SparseLinear)])
+        wrapped.append(model.lm_head)
+    gather_weights(wrapped)
