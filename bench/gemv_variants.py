@@ -26,6 +26,7 @@ from torch.utils.cpp_extension import load
 from tokenhaul import native
 from tokenhaul.layers.linear_int4 import block_n
 from tokenhaul.layers.linear_sparse import in_parts, part_width
+from tokenhaul.layers.weight_block import huge_page_block
 
 ROOT = Path(__file__).resolve().parent.parent
 SOURCES = {"int8": "tokenhaul/layers/int8_gemv.cpp", "int4": "tokenhaul/layers/int4_gemv.cpp",
@@ -78,11 +79,10 @@ def weights(kernel: str, shapes: list[tuple[int, int]], megabytes: float, rows: 
 
 
 def in_one_block(calls: list[tuple]) -> list[tuple]:
-    """The same calls with every weight tensor copied into one allocation (huge pages where torch's allocator
-    asks for them: blocks of 2 MB and more), 64-byte aligned, in call order."""
-    weights_of = [[t for t in c[1:] if isinstance(t, torch.Tensor)] for c in calls]
-    total = sum((t.nbytes + 63) // 64 * 64 for ts in weights_of for t in ts)
-    block = torch.empty(total, dtype=torch.uint8)
+    """The same calls with every weight tensor copied into one huge-page block as the engine's loader makes it
+    (tokenhaul/layers/weight_block.py), 64-byte aligned, in call order."""
+    total = sum((t.nbytes + 63) // 64 * 64 for c in calls for t in c[1:] if isinstance(t, torch.Tensor))
+    block = huge_page_block(total)
     offset, out = 0, []
     for c in calls:
         moved = []
@@ -141,7 +141,7 @@ def main() -> None:
     ap.add_argument("--both-orders", action="store_true",
                     help="int4: each variant also timed on the same weights with the scales in torch's order")
     ap.add_argument("--one-block", action="store_true",
-                    help="each variant also timed on the same weights copied into one allocation (huge pages)")
+                    help="each variant also timed on the same weights copied into one huge-page block")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     with tempfile.TemporaryDirectory() as tmp:
