@@ -49,6 +49,12 @@ def _step(model: Model, kv: KVCache, ids: torch.Tensor, positions: torch.Tensor,
     return model.compute_logits(model.forward(ids, meta, kv))
 
 
+# No size asserts: the wrapper checked every input's sizes and strides on each call (~370 inputs, ~0.3 ms of a
+# 5 ms SmolLM2 step, bench/RESULTS.md "Compiled step without size asserts"); `run` only ever passes the traced
+# shapes (the key holds them) and the guard check is off for the same reason.
+OPTIONS = {"cpp_wrapper": True, "size_asserts": False}
+
+
 class CompiledDecode:
     """Owns the compiled step per batch size; the runner sends it pure-decode steps once `ready`.
 
@@ -112,7 +118,7 @@ class CompiledDecode:
                 except Exception:  # noqa: BLE001 - an unreadable or stale file: compile again
                     fn = None
             if fn is None:
-                step = torch.compile(_step, dynamic=False, fullgraph=True, options={"cpp_wrapper": True})
+                step = torch.compile(_step, dynamic=False, fullgraph=True, options=OPTIONS)
                 with torch.inference_mode():  # inputs made outside, run inside, as the runner does
                     fn = step.aot_compile((args, {}))
                 path.parent.mkdir(parents=True, exist_ok=True)

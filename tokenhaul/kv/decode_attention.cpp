@@ -124,10 +124,33 @@ static inline void exps(float* s, int64_t n, float m) {
 // q [B, Hkv, G, D] fp32; K, V [N, bs, Hkv, D] of E (int8, or bf16 bits); KS, VS [N, bs, Hkv] fp32 scales (int8;
 // null for bf16); table [B, nb] int64; mask [B, nb * bs] bool, or empty for all keys visible. Returns
 // [B, Hkv, G, D] fp32.
+// Chunks a sequence's keys are cut in: its visible blocks (from its own mask row, so never from the batch it is in)
+// split into at most MAX_CHUNKS chunks of at least `min_blocks` blocks each. A lone short sequence then still
+// gives every thread work of about equal size (SmolLM2's 3 KV heads were 3 tasks on 2 threads: one thread did
+// two thirds of the work); its partial softmaxes merge in the same order whatever the batch.
+constexpr int64_t MAX_CHUNKS = 16;
+
+struct Chunks {
+  int64_t first, size, count;  // first visible block, blocks per chunk, chunks
+};
+
+inline Chunks chunks_of(const bool* mrow, int64_t nb, int64_t bs, int64_t min_blocks) {
+  int64_t first = 0, last = nb - 1;
+  if (mrow) {
+    auto visible = [&](int64_t j) { return std::any_of(mrow + j * bs, mrow + (j + 1) * bs, [](bool x) { return x; }); };
+    while (first < nb && !visible(first)) ++first;
+    while (last >= first && !visible(last)) --last;
+  }
+  const int64_t blocks = last - first + 1;
+  if (blocks <= 0) return {0, 1, 0};
+  const int64_t size = std::max(min_blocks, (blocks + MAX_CHUNKS - 1) / MAX_CHUNKS);
+  return {first, size, (blocks + size - 1) / size};
+}
+
 template <typename E>
 at::Tensor decode(const at::Tensor& q, const at::Tensor& kd, const E* K, const float* KS, const E* V,
                   const float* VS, const at::Tensor& table, const at::Tensor& mask, double scale,
-                  int64_t chunk_blocks) {
+                  int64_t min_chunk_blocks) {
   TORCH_CHECK(q.dtype() == at::kFloat && q.is_contiguous() && q.dim() == 4, "q: contiguous fp32 [B, Hkv, G, D]");
   TORCH_CHECK(table.dtype() == at::kLong && table.is_contiguous(), "table: contiguous int64 [B, nb]");
   const int64_t B = q.size(0), H = q.size(1), G = q.size(2), D = q.size(3);
@@ -135,25 +158,33 @@ at::Tensor decode(const at::Tensor& q, const at::Tensor& kd, const E* K, const f
   TORCH_CHECK(kd.size(2) == H && kd.size(3) == D && table.size(0) == B, "shapes of q, cache and table disagree");
   TORCH_CHECK(mask.numel() == 0 || (mask.dtype() == at::kBool && mask.is_contiguous() && mask.numel() == B * L),
               "mask: contiguous bool [B, nb * bs] or empty");
-  const int64_t nchunks = std::max<int64_t>(1, (nb + chunk_blocks - 1) / chunk_blocks);
   const float* Q = q.data_ptr<float>();
   const int64_t* T = table.data_ptr<int64_t>();
   const bool* M = mask.numel() ? mask.data_ptr<bool>() : nullptr;
   const float ninf = -std::numeric_limits<float>::infinity();
   const float sc = static_cast<float>(scale);
   const int64_t stride = G * (D + 2);  // per (b, h, chunk): G maxima, G sums, G x D accumulators
-  std::vector<float> part(B * H * nchunks * stride);
-  at::parallel_for(0, B * H * nchunks, 1, [&](int64_t begin, int64_t end) {
+  std::vector<Chunks> cut(B);
+  std::vector<int64_t> task0(B + 1, 0);  // sequence b's tasks: task0[b] .. task0[b + 1], H x its chunks
+  for (int64_t b = 0; b < B; ++b) {
+    cut[b] = chunks_of(M ? M + b * L : nullptr, nb, bs, min_chunk_blocks);
+    task0[b + 1] = task0[b] + H * cut[b].count;
+  }
+  std::vector<float> part(task0[B] * stride);
+  at::parallel_for(0, task0[B], 1, [&](int64_t begin, int64_t end) {
     std::vector<float> s(G * bs), kf(bs * D), vf(bs * D);
     for (int64_t task = begin; task < end; ++task) {
-      const int64_t b = task / (H * nchunks), h = (task / nchunks) % H, c = task % nchunks;
+      const int64_t b = std::upper_bound(task0.begin(), task0.end(), task) - task0.begin() - 1;
+      const Chunks& ch = cut[b];
+      const int64_t h = (task - task0[b]) / ch.count, c = (task - task0[b]) % ch.count;
       float* mx = part.data() + task * stride;
       float* sm = mx + G;
       float* acc = sm + G;
       std::fill(mx, mx + G, ninf);
       std::fill(sm, sm + G + G * D, 0.f);
       const float* qb = Q + (b * H + h) * G * D;
-      for (int64_t j = c * chunk_blocks; j < std::min(nb, (c + 1) * chunk_blocks); ++j) {
+      const int64_t j0 = ch.first + c * ch.size;
+      for (int64_t j = j0; j < std::min(nb, j0 + ch.size); ++j) {
         const int64_t blk = T[b * nb + j];
         const bool* mrow = M ? M + b * L + j * bs : nullptr;
         if (mrow && std::none_of(mrow, mrow + bs, [](bool x) { return x; })) continue;
@@ -202,7 +233,8 @@ at::Tensor decode(const at::Tensor& q, const at::Tensor& kd, const E* K, const f
   at::Tensor out = at::zeros({B, H, G, D}, q.options());
   float* O = out.data_ptr<float>();
   for (int64_t bh = 0; bh < B * H; ++bh) {  // merge the chunks' partial softmaxes
-    const float* first = part.data() + bh * nchunks * stride;
+    const int64_t b = bh / H, nchunks = cut[b].count;
+    const float* first = part.data() + (task0[b] + bh % H * nchunks) * stride;
     for (int64_t g = 0; g < G; ++g) {
       float m = ninf;
       for (int64_t c = 0; c < nchunks; ++c) m = std::max(m, first[c * stride + g]);
@@ -224,29 +256,30 @@ at::Tensor decode(const at::Tensor& q, const at::Tensor& kd, const E* K, const f
 
 at::Tensor decode_int8(const at::Tensor& q, const at::Tensor& kd, const at::Tensor& ks, const at::Tensor& vd,
                        const at::Tensor& vs, const at::Tensor& table, const at::Tensor& mask, double scale,
-                       int64_t chunk_blocks) {
+                       int64_t min_chunk_blocks) {
   TORCH_CHECK(kd.dtype() == at::kChar && vd.dtype() == at::kChar && kd.is_contiguous() && vd.is_contiguous() &&
               vd.sizes() == kd.sizes(), "kd, vd: contiguous int8 [N, bs, Hkv, D]");
   TORCH_CHECK(ks.dtype() == at::kFloat && vs.dtype() == at::kFloat && ks.is_contiguous() && vs.is_contiguous() &&
               ks.numel() * kd.size(3) == kd.numel() && vs.sizes() == ks.sizes(),
               "ks, vs: contiguous fp32 [N, bs, Hkv]");
   return decode(q, kd, kd.data_ptr<int8_t>(), ks.data_ptr<float>(), vd.data_ptr<int8_t>(), vs.data_ptr<float>(),
-                table, mask, scale, chunk_blocks);
+                table, mask, scale, min_chunk_blocks);
 }
 
 at::Tensor decode_bf16(const at::Tensor& q, const at::Tensor& kd, const at::Tensor& vd, const at::Tensor& table,
-                       const at::Tensor& mask, double scale, int64_t chunk_blocks) {
+                       const at::Tensor& mask, double scale, int64_t min_chunk_blocks) {
   TORCH_CHECK(kd.dtype() == at::kBFloat16 && vd.dtype() == at::kBFloat16 && kd.is_contiguous() &&
               vd.is_contiguous() && vd.sizes() == kd.sizes(), "kd, vd: contiguous bf16 [N, bs, Hkv, D]");
   const auto* K = reinterpret_cast<const uint16_t*>(kd.data_ptr<at::BFloat16>());
   const auto* V = reinterpret_cast<const uint16_t*>(vd.data_ptr<at::BFloat16>());
-  return decode<uint16_t>(q, kd, K, nullptr, V, nullptr, table, mask, scale, chunk_blocks);
+  return decode<uint16_t>(q, kd, K, nullptr, V, nullptr, table, mask, scale, min_chunk_blocks);
 }
 
 TORCH_LIBRARY(tokenhaul_kv, m) {
   m.def("decode_int8(Tensor q, Tensor kd, Tensor ks, Tensor vd, Tensor vs, Tensor table, Tensor mask, "
-        "float scale, int chunk_blocks) -> Tensor");
-  m.def("decode_bf16(Tensor q, Tensor kd, Tensor vd, Tensor table, Tensor mask, float scale, int chunk_blocks) "
+        "float scale, int min_chunk_blocks) -> Tensor");
+  m.def("decode_bf16(Tensor q, Tensor kd, Tensor vd, Tensor table, Tensor mask, float scale, "
+        "int min_chunk_blocks) "
         "-> Tensor");
 }
 

@@ -18,16 +18,17 @@ from tokenhaul import native
 from tokenhaul.kv.int8 import Int8Blocks
 
 SOURCE = Path(__file__).with_name("decode_attention.cpp")
-# Blocks of keys per thread task: 32 x 16 keys. Small enough that one 4 k sequence splits into 8 chunks per
-# KV head (all threads busy at batch 1), large enough that merging the partial softmaxes costs nothing.
-CHUNK_BLOCKS = 32
+# Fewest blocks of keys per thread task (a sequence's visible blocks are cut in at most 16 chunks per KV head,
+# decode_attention.cpp): 2 x 16 keys, so a lone short sequence still splits into about equal tasks for every
+# thread, while merging the partial softmaxes stays negligible.
+MIN_CHUNK_BLOCKS = 2
 
 
-def _fake_int8(q, kd, ks, vd, vs, table, mask, scale, chunk_blocks):  # shapes for torch.compile
+def _fake_int8(q, kd, ks, vd, vs, table, mask, scale, min_chunk_blocks):  # shapes for torch.compile
     return q.new_empty(q.shape)
 
 
-def _fake_bf16(q, kd, vd, table, mask, scale, chunk_blocks):
+def _fake_bf16(q, kd, vd, table, mask, scale, min_chunk_blocks):
     return q.new_empty(q.shape)
 
 
@@ -51,14 +52,14 @@ def decode_int8(q: torch.Tensor, k_data: torch.Tensor, k_scale: torch.Tensor, v_
     """q: [B, Hkv, G, D] (the G query heads of each KV head); caches [N, bs, Hkv, D] int8 with scales
     [N, bs, Hkv]; block_table [B, nb]; mask [B, 1, 1, nb * bs] bool or None. Returns fp32 [B, Hkv, G, D]."""
     qf, table, m = _args(q, block_table, mask, k_data.shape[1])
-    return torch.ops.tokenhaul_kv.decode_int8(qf, k_data, k_scale, v_data, v_scale, table, m, scale, CHUNK_BLOCKS)
+    return torch.ops.tokenhaul_kv.decode_int8(qf, k_data, k_scale, v_data, v_scale, table, m, scale, MIN_CHUNK_BLOCKS)
 
 
 def decode_bf16(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_table: torch.Tensor,
                 mask: torch.Tensor | None, scale: float) -> torch.Tensor:
     """decode_int8 over bf16 caches [N, bs, Hkv, D] (no scales)."""
     qf, table, m = _args(q, block_table, mask, k_cache.shape[1])
-    return torch.ops.tokenhaul_kv.decode_bf16(qf, k_cache, v_cache, table, m, scale, CHUNK_BLOCKS)
+    return torch.ops.tokenhaul_kv.decode_bf16(qf, k_cache, v_cache, table, m, scale, MIN_CHUNK_BLOCKS)
 
 
 def decode(q: torch.Tensor, k_cache: torch.Tensor | Int8Blocks, v_cache: torch.Tensor | Int8Blocks,
