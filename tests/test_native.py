@@ -5,6 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
+import torch
 import torch.utils.cpp_extension
 
 from tokenhaul import native
@@ -61,3 +62,22 @@ def test_int8_runs_per_thread_follow_the_cpu_vendor(monkeypatch: pytest.MonkeyPa
         monkeypatch.setattr(host, "cpu_vendor", lambda v=vendor: v)
         flavour, flags = native._flags()
         assert f"-DSTREAMS={streams}" in flags and flavour.endswith(f"-s{streams}")
+
+
+def test_shims_are_global_c_functions_of_their_ops() -> None:
+    """Ops built with a C shim are offered to inductor (`custom_ops_to_c_shims`) and their functions resolve in
+    the process's global namespace, where a compiled step's library looks them up."""
+    import ctypes
+
+    from tokenhaul.kv import decode_attention
+    from tokenhaul.layers import int4_gemv
+
+    if not (int4_gemv.available() and decode_attention.available()):
+        pytest.skip("no C++ compiler")
+    shims = native.c_shims()
+    process = ctypes.CDLL(None)
+    for op, name in ((torch.ops.tokenhaul_int4.gemv, "aoti_torch_cpu_gemv"),
+                     (torch.ops.tokenhaul_kv.decode_bf16, "aoti_torch_cpu_decode_bf16"),
+                     (torch.ops.tokenhaul_kv.decode_int8, "aoti_torch_cpu_decode_int8")):
+        assert f" {name}(" in shims[op.default][0]
+        assert getattr(process, name)  # an AttributeError if the symbol is not global

@@ -8,6 +8,7 @@ it forever; builds here hold an flock instead (the kernel drops it with its proc
 
 from __future__ import annotations
 
+import ctypes
 import fcntl
 import hashlib
 import os
@@ -20,6 +21,7 @@ import torch
 from tokenhaul import host
 
 _loaded: dict[Path, bool] = {}
+_c_shims: dict[str, str] = {}  # op name → the C declaration of its shim (see `c_shims`)
 
 
 # Weight-row runs each thread streams at once in the int8 GEMVs (dense and gathered), by CPU vendor: more runs keep
@@ -51,8 +53,9 @@ def _build_dir(name: str) -> Path:
     return root / f"tokenhaul-{tag}" / f"{name}-{checkout}"
 
 
-def _build(name: str, source: Path, flags: list[str]) -> None:
-    """Build and load under an flock on the build folder; a `lock` left by a killed torch build is removed."""
+def _build(name: str, source: Path, flags: list[str]) -> str:
+    """Build and load under an flock on the build folder; a `lock` left by a killed torch build is removed.
+    Returns the library's path."""
     from torch.utils.cpp_extension import load as build
 
     folder = _build_dir(name)
@@ -60,25 +63,41 @@ def _build(name: str, source: Path, flags: list[str]) -> None:
     with open(folder.with_name(folder.name + ".flock"), "w") as guard:
         fcntl.flock(guard, fcntl.LOCK_EX)  # released when this process ends, however it ends
         (folder / "lock").unlink(missing_ok=True)  # only builds holding the flock create it: this one is stale
-        build(name, [str(source)], extra_cflags=flags, is_python_module=False, build_directory=str(folder),
-              verbose=bool(os.environ.get("TOKENHAUL_VERBOSE_BUILD")))
+        return build(name, [str(source)], extra_cflags=flags, is_python_module=False, build_directory=str(folder),
+                     verbose=bool(os.environ.get("TOKENHAUL_VERBOSE_BUILD")))
 
 
-def load(source: Path, slower: str, fakes: dict[str, Callable] | None = None, parallel: bool = False) -> bool:
+def load(source: Path, slower: str, fakes: dict[str, Callable] | None = None, parallel: bool = False,
+         shims: dict[str, str] | None = None) -> bool:
     """Build and load `source` once per process, registering `fakes` (op name → shape function, for
-    torch.compile); False (and `slower`, the fallback's cost, on stderr) if not. `parallel` compiles with
-    -fopenmp: at::parallel_for is inline in torch's headers and runs serially in a build without it (the
-    OpenMP calls resolve to torch's own libgomp, so its thread pool is shared)."""
+    torch.compile) and `shims` (op name → declaration of the C function `source` exports for it); False (and
+    `slower`, the fallback's cost, on stderr) if not. `parallel` compiles with -fopenmp: at::parallel_for is
+    inline in torch's headers and runs serially in a build without it (the OpenMP calls resolve to torch's own
+    libgomp, so its thread pool is shared)."""
     if source not in _loaded:
         flavour, flags = _flags()
         flags = flags + ["-fopenmp"] if parallel else flags
         try:
-            _build(f"tokenhaul_{source.stem}_{flavour}", source, flags)
+            path = _build(f"tokenhaul_{source.stem}_{flavour}", source, flags)
             for op, fn in (fakes or {}).items():
                 torch.library.register_fake(op, fn)
+            if shims:  # its symbols made global, so a compiled step's library resolves the shims against it
+                ctypes.CDLL(path, mode=os.RTLD_NOW | os.RTLD_GLOBAL | os.RTLD_NOLOAD)
+                _c_shims.update(shims)
             _loaded[source] = True
         except Exception as e:  # no compiler or headers: the pure-torch paths give the same answers
             print(f"tokenhaul: {source.name} not built ({type(e).__name__}: {str(e)[:200]}); {slower}",
                   file=sys.stderr)
             _loaded[source] = False
     return _loaded[source]
+
+
+def c_shims() -> dict[torch._ops.OpOverload, list[str]]:
+    """The loaded ops that export a C function for a compiled graph to call directly, not through the
+    dispatcher's boxed call (~1 µs of conversions a call, 150 calls a SmolLM2 step): inductor's
+    `aot_inductor.custom_ops_to_c_shims`, which names such a function aoti_torch_cpu_<op name>."""
+    shims = {}
+    for name, declaration in _c_shims.items():
+        namespace, op = name.split("::")
+        shims[getattr(getattr(torch.ops, namespace), op).default] = [declaration]
+    return shims

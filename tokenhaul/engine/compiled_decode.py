@@ -29,6 +29,7 @@ from pathlib import Path
 
 import torch
 
+from tokenhaul import native
 from tokenhaul.config import EngineConfig
 from tokenhaul.kv import decode_attention
 from tokenhaul.kv.cache import KVCache
@@ -118,7 +119,8 @@ class CompiledDecode:
                 except Exception:  # noqa: BLE001 - an unreadable or stale file: compile again
                     fn = None
             if fn is None:
-                step = torch.compile(_step, dynamic=False, fullgraph=True, options=OPTIONS)
+                options = OPTIONS | {"aot_inductor.custom_ops_to_c_shims": native.c_shims()}
+                step = torch.compile(_step, dynamic=False, fullgraph=True, options=options)
                 with torch.inference_mode():  # inputs made outside, run inside, as the runner does
                     fn = step.aot_compile((args, {}))
                 path.parent.mkdir(parents=True, exist_ok=True)

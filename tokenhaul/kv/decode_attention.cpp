@@ -7,6 +7,7 @@
 // sequence still uses every thread.
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
+#include <torch/csrc/inductor/aoti_torch/utils.h>
 
 #include <algorithm>
 #include <cmath>
@@ -273,6 +274,32 @@ at::Tensor decode_bf16(const at::Tensor& q, const at::Tensor& kd, const at::Tens
   const auto* K = reinterpret_cast<const uint16_t*>(kd.data_ptr<at::BFloat16>());
   const auto* V = reinterpret_cast<const uint16_t*>(vd.data_ptr<at::BFloat16>());
   return decode<uint16_t>(q, kd, K, nullptr, V, nullptr, table, mask, scale, min_chunk_blocks);
+}
+
+// The ops as C functions the compiled decode step calls directly (inductor's `custom_ops_to_c_shims`), not through
+// the dispatcher's boxed call (engine/compiled_decode.py).
+using torch::aot_inductor::tensor_handle_to_tensor_pointer;
+
+extern "C" AOTITorchError aoti_torch_cpu_decode_int8(AtenTensorHandle q, AtenTensorHandle kd, AtenTensorHandle ks,
+                                                     AtenTensorHandle vd, AtenTensorHandle vs, AtenTensorHandle table,
+                                                     AtenTensorHandle mask, double scale, int64_t min_chunk_blocks,
+                                                     AtenTensorHandle* out) {
+  AOTI_TORCH_CONVERT_EXCEPTION_TO_ERROR_CODE({
+    *out = torch::aot_inductor::new_tensor_handle(decode_int8(
+        *tensor_handle_to_tensor_pointer(q), *tensor_handle_to_tensor_pointer(kd), *tensor_handle_to_tensor_pointer(ks),
+        *tensor_handle_to_tensor_pointer(vd), *tensor_handle_to_tensor_pointer(vs),
+        *tensor_handle_to_tensor_pointer(table), *tensor_handle_to_tensor_pointer(mask), scale, min_chunk_blocks));
+  });
+}
+
+extern "C" AOTITorchError aoti_torch_cpu_decode_bf16(AtenTensorHandle q, AtenTensorHandle kd, AtenTensorHandle vd,
+                                                     AtenTensorHandle table, AtenTensorHandle mask, double scale,
+                                                     int64_t min_chunk_blocks, AtenTensorHandle* out) {
+  AOTI_TORCH_CONVERT_EXCEPTION_TO_ERROR_CODE({
+    *out = torch::aot_inductor::new_tensor_handle(decode_bf16(
+        *tensor_handle_to_tensor_pointer(q), *tensor_handle_to_tensor_pointer(kd), *tensor_handle_to_tensor_pointer(vd),
+        *tensor_handle_to_tensor_pointer(table), *tensor_handle_to_tensor_pointer(mask), scale, min_chunk_blocks));
+  });
 }
 
 TORCH_LIBRARY(tokenhaul_kv, m) {

@@ -24,6 +24,16 @@ SOURCE = Path(__file__).with_name("decode_attention.cpp")
 MIN_CHUNK_BLOCKS = 2
 
 
+_TENSORS = "AtenTensorHandle q, AtenTensorHandle kd, "
+SHIMS = {  # the ops as C functions (native.c_shims)
+    "tokenhaul_kv::decode_int8": f"AOTITorchError aoti_torch_cpu_decode_int8({_TENSORS}AtenTensorHandle ks, "
+    "AtenTensorHandle vd, AtenTensorHandle vs, AtenTensorHandle table, AtenTensorHandle mask, double scale, "
+    "int64_t min_chunk_blocks, AtenTensorHandle* out)",
+    "tokenhaul_kv::decode_bf16": f"AOTITorchError aoti_torch_cpu_decode_bf16({_TENSORS}AtenTensorHandle vd, "
+    "AtenTensorHandle table, AtenTensorHandle mask, double scale, int64_t min_chunk_blocks, AtenTensorHandle* out)",
+}
+
+
 def _fake_int8(q, kd, ks, vd, vs, table, mask, scale, min_chunk_blocks):  # shapes for torch.compile
     return q.new_empty(q.shape)
 
@@ -36,7 +46,7 @@ def available() -> bool:
     """Build (once per machine) and load the kernel; False, with one stderr line, if that fails."""
     return native.load(SOURCE, "decodes gather a float copy of their K/V instead (slower)",
                        {"tokenhaul_kv::decode_int8": _fake_int8, "tokenhaul_kv::decode_bf16": _fake_bf16},
-                       parallel=True)
+                       parallel=True, shims=SHIMS)
 
 
 def _args(q: torch.Tensor, block_table: torch.Tensor, mask: torch.Tensor | None,

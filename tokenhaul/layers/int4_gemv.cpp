@@ -17,6 +17,7 @@
 // unit a few ahead prefetched; a block two parts share is summed after the parallel region.
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
+#include <torch/csrc/inductor/aoti_torch/utils.h>
 
 #include <algorithm>
 #include <cmath>
@@ -534,96 +535,126 @@ at::Tensor gemv(const at::Tensor& x, const at::Tensor& weight, const at::Tensor&
   const int64_t ranges =
       n * k / 2 >= RANGES_FROM ? std::min<int64_t>(RANGES, std::max<int64_t>(1, blocks / threads)) : 1;
   const int64_t parts = threads * ranges;
-  // one allocation: x in fp32, its group sums, each part's block of outputs and the partial sums of the (at
-  // most two) blocks it shares with a neighbour
-  std::vector<float> scratch(m * k + m * groups + parts * 3 * m * 64 + 16);
-  float* xf = scratch.data();
+  // one area, kept by the calling thread between calls (a decode step makes ~120: no heap traffic): x in fp32,
+  // its group sums, the 8-bit x's scales and block sums, a block's sum, each part's block of outputs and the
+  // partial sums of the (at most two) blocks it shares with a neighbour
+  thread_local std::vector<float> area;
+  thread_local std::vector<int8_t> xq_area;
+  thread_local std::vector<int64_t> edge_area;
+  const int64_t nq = m * k / QBLOCK;
+  area.resize(std::max<size_t>(area.size(), m * k + m * groups + 2 * nq + m * 64 + parts * 3 * m * 64 + 16));
+  float* xf = area.data();
   float* xs = xf + m * k;
+  float* xd = xs + m * groups;
+  float* block_sum = xd + nq;
+  float* sum = block_sum + nq;
   // the parts' sums start on a cache line, so no line holds two threads' (written every unit: a line shared
   // across threads moved between cores once a unit, ~0.3 us when the two vCPUs sit on different CCDs)
-  float* edges = reinterpret_cast<float*>((reinterpret_cast<uintptr_t>(xs + m * groups) + 63) & ~uintptr_t{63});
+  float* edges = reinterpret_cast<float*>((reinterpret_cast<uintptr_t>(sum + m * 64) + 63) & ~uintptr_t{63});
   const at::Tensor xc = x.contiguous();
-  if (x.dtype() == at::kBFloat16) {
+  const bool bf16 = x.dtype() == at::kBFloat16;
+  if (bf16) {
     const uint16_t* xb = reinterpret_cast<const uint16_t*>(xc.data_ptr<at::BFloat16>());
     for (int64_t i = 0; i < m * k; ++i) xf[i] = bf16_to_float(xb[i]);
   } else {
     std::memcpy(xf, xc.data_ptr<float>(), m * k * sizeof(float));
   }
-  const bool bf16 = x.dtype() == at::kBFloat16;
-  std::vector<int8_t> xq;
-  std::vector<float> xd;
-  if (bf16 && eight_bit_activations(m)) {  // quantized per QBLOCK inputs; xs: the quantized x's group sums
+  const bool eight_bit = bf16 && eight_bit_activations(m);
+  if (eight_bit) {  // quantized per QBLOCK inputs; xs: the quantized x's group sums
     TORCH_CHECK(group <= 128, "the 8-bit path takes groups of up to 128 inputs");
-    xq.resize(m * k);
-    xd.resize(m * k / QBLOCK);
-    std::vector<float> block_sum(m * k / QBLOCK);
-    for (int64_t i = 0; i < m * k / QBLOCK; ++i) {
-      int32_t sum;
-      const float d = quantize_block(xf + i * QBLOCK, xq.data() + i * QBLOCK, &sum) / 127.0f;
+    xq_area.resize(std::max<size_t>(xq_area.size(), m * k));
+    for (int64_t i = 0; i < nq; ++i) {
+      int32_t codes;
+      const float d = quantize_block(xf + i * QBLOCK, xq_area.data() + i * QBLOCK, &codes) / 127.0f;
       xd[i] = d;
-      block_sum[i] = d * static_cast<float>(sum);
+      block_sum[i] = d * static_cast<float>(codes);
     }
     for (int64_t i = 0; i < m * groups; ++i) {
-      float sum = 0.0f;
-      for (int64_t j = 0; j < group / QBLOCK; ++j) sum += block_sum[i * (group / QBLOCK) + j];
-      xs[i] = sum;
+      float total = 0.0f;
+      for (int64_t j = 0; j < group / QBLOCK; ++j) total += block_sum[i * (group / QBLOCK) + j];
+      xs[i] = total;
     }
   } else {
     for (int64_t i = 0; i < m * groups; ++i) {
-      float sum = 0.0f;
-      for (int64_t j = 0; j < group; ++j) sum += xf[i * group + j];
-      xs[i] = sum;
+      float total = 0.0f;
+      for (int64_t j = 0; j < group; ++j) total += xf[i * group + j];
+      xs[i] = total;
     }
   }
   const Problem p{weight.data_ptr<uint8_t>(), reinterpret_cast<const uint16_t*>(scales_zeros.data_ptr<at::BFloat16>()),
                   xf, xs, m, k, n, groups, group, block,
                   bf16 ? reinterpret_cast<const uint32_t*>(xc.data_ptr<at::BFloat16>()) : nullptr,
-                  xq.empty() ? nullptr : xq.data(), xd.empty() ? nullptr : xd.data(), unit_order};
-  std::vector<int64_t> edge_block(parts * 2, -1);
-  // unit u of part q: the scales SCALES_AHEAD units on prefetched; its block stored (or its share kept) when done
-  auto step = [&](int64_t q, int64_t u) {
-    const int64_t u0 = units * q / parts, u1 = units * (q + 1) / parts;
+                  eight_bit ? xq_area.data() : nullptr, eight_bit ? xd : nullptr, unit_order};
+  edge_area.assign(parts * 2, -1);
+  int64_t* edge_block = edge_area.data();
+  at::BFloat16* yb = bf16 ? y.data_ptr<at::BFloat16>() : nullptr;
+  float* yf = bf16 ? nullptr : y.data_ptr<float>();
+  // A part's walk: its units u0 .. u1 - 1 in memory order; u, the next, as (block b, group g), and the unit whose
+  // scales are prefetched (SCALES_AHEAD on) as (ab, ag): counted on, not divided out, each unit.
+  struct Cursor {
+    int64_t u0, u1, u, b, g, ab, ag;
+  };
+  auto start = [&](int64_t q) {
+    const int64_t u0 = units * q / parts, ua = u0 + SCALES_AHEAD;
+    return Cursor{u0, units * (q + 1) / parts, u0, u0 / groups, u0 % groups, ua / groups, ua % groups};
+  };
+  // the next unit of part q; its block stored (or its share kept) when done
+  auto step = [&](int64_t q, Cursor& c) {
     float* acc = edges + (parts * 2 + q) * m * 64;
-    const int64_t b = u / groups, g = u % groups;
-    if (u == u0 || g == 0) std::fill(acc, acc + m * 64, 0.0f);
-    if (u + SCALES_AHEAD < u1) {  // in torch's order a unit's scales lie n * 4 bytes from the previous group's
-      const int64_t ua = u + SCALES_AHEAD;
-      const char* z = reinterpret_cast<const char*>(unit_scales(p, ua % groups, ua / groups));
+    const int64_t u = c.u, b = c.b, g = c.g;
+    if (u == c.u0 || g == 0) std::fill(acc, acc + m * 64, 0.0f);
+    if (u + SCALES_AHEAD < c.u1) {  // in torch's order a unit's scales lie n * 4 bytes from the previous group's
+      const char* z = reinterpret_cast<const char*>(unit_scales(p, c.ag, c.ab));
       for (int l = 0; l < 256; l += 64) __builtin_prefetch(z + l, 0, 3);
     }
+    if (++c.ag == groups) c.ag = 0, ++c.ab;
+    if (++c.g == groups) c.g = 0, ++c.b;
+    ++c.u;
     unit(p, b, g, acc);
-    if (g < groups - 1 && u < u1 - 1) return;
-    if (b * groups >= u0 && g == groups - 1) {  // the whole block is this part's
-      if (bf16) store_block(acc, y.data_ptr<at::BFloat16>(), m, n, b);
-      else store_block(acc, y.data_ptr<float>(), m, n, b);
+    if (g < groups - 1 && u < c.u1 - 1) return;
+    if (b * groups >= c.u0 && g == groups - 1) {  // the whole block is this part's
+      if (bf16) store_block(acc, yb, m, n, b);
+      else store_block(acc, yf, m, n, b);
     } else {  // shared with a neighbour: slot 0 where this part starts inside the block, 1 where it ends
-      const int64_t e = q * 2 + (b * groups >= u0);
+      const int64_t e = q * 2 + (b * groups >= c.u0);
       edge_block[e] = b;
       std::copy(acc, acc + m * 64, edges + e * m * 64);
     }
   };
   at::parallel_for(0, threads, 1, [&](int64_t t0, int64_t t1) {
     for (int64_t t = t0; t < t1; ++t) {  // the thread's parts walked together, one unit of each in turn
-      const int64_t q0 = t * ranges, longest = units * (q0 + 1) / parts - units * q0 / parts + 1;
-      for (int64_t i = 0; i < longest; ++i)
-        for (int64_t q = q0; q < q0 + ranges; ++q) {
-          const int64_t u = units * q / parts + i;
-          if (u < units * (q + 1) / parts) step(q, u);
-        }
+      Cursor cursor[RANGES];
+      for (int64_t r = 0; r < ranges; ++r) cursor[r] = start(t * ranges + r);
+      for (bool more = true; more;) {
+        more = false;
+        for (int64_t r = 0; r < ranges; ++r)
+          if (cursor[r].u < cursor[r].u1) step(t * ranges + r, cursor[r]), more = true;
+      }
     }
   });
-  std::vector<float> sum(m * 64);
   for (int64_t e = 0; e < parts * 2; ++e) {  // each shared block: add every part, in order
     const int64_t b = edge_block[e];
-    if (b < 0 || std::find(edge_block.begin(), edge_block.begin() + e, b) != edge_block.begin() + e) continue;
-    std::fill(sum.begin(), sum.end(), 0.0f);
+    if (b < 0 || std::find(edge_block, edge_block + e, b) != edge_block + e) continue;
+    std::fill(sum, sum + m * 64, 0.0f);
     for (int64_t f = e; f < parts * 2; ++f)
       if (edge_block[f] == b)
         for (int64_t i = 0; i < m * 64; ++i) sum[i] += edges[f * m * 64 + i];
-    if (bf16) store_block(sum.data(), y.data_ptr<at::BFloat16>(), m, n, b);
-    else store_block(sum.data(), y.data_ptr<float>(), m, n, b);
+    if (bf16) store_block(sum, yb, m, n, b);
+    else store_block(sum, yf, m, n, b);
   }
   return y;
+}
+
+// The op as a C function the compiled decode step calls directly (inductor's `custom_ops_to_c_shims`; its name is
+// inductor's for op `gemv` on CPU), not through the dispatcher's boxed call (engine/compiled_decode.py).
+extern "C" AOTITorchError aoti_torch_cpu_gemv(AtenTensorHandle x, AtenTensorHandle weight, AtenTensorHandle scales_zeros,
+                                              int64_t group, int64_t block, AtenTensorHandle* out) {
+  using torch::aot_inductor::tensor_handle_to_tensor_pointer;
+  AOTI_TORCH_CONVERT_EXCEPTION_TO_ERROR_CODE({
+    *out = torch::aot_inductor::new_tensor_handle(gemv(*tensor_handle_to_tensor_pointer(x),
+                                                       *tensor_handle_to_tensor_pointer(weight),
+                                                       *tensor_handle_to_tensor_pointer(scales_zeros), group, block));
+  });
 }
 
 TORCH_LIBRARY_FRAGMENT(tokenhaul_int4, m) {

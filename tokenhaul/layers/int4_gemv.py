@@ -19,6 +19,8 @@ from tokenhaul import native
 
 SOURCE = Path(__file__).with_name("int4_gemv.cpp")
 QBLOCK = 16  # inputs per activation scale on the 8-bit path (int4_gemv.cpp)
+SHIM = ("AOTITorchError aoti_torch_cpu_gemv(AtenTensorHandle x, AtenTensorHandle weight, "  # the op as a C function
+        "AtenTensorHandle scales_zeros, int64_t group, int64_t block, AtenTensorHandle* out)")  # (native.c_shims)
 
 
 def outputs(scales_zeros: torch.Tensor) -> int:
@@ -72,4 +74,4 @@ def rows() -> int:
 def available() -> bool:
     """Build (once per machine, tokenhaul/native.py) and load the kernel; False, with one stderr line, if not."""
     return native.load(SOURCE, "few-row int4 linears run _weight_int4pack_mm_for_cpu instead (slower)",
-                       {"tokenhaul_int4::gemv": _fake}, parallel=True)
+                       {"tokenhaul_int4::gemv": _fake}, parallel=True, shims={"tokenhaul_int4::gemv": SHIM})
