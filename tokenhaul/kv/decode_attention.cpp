@@ -122,9 +122,6 @@ static inline void exps(float* s, int64_t n, float m) {
   for (; t < n; ++t) s[t] = std::exp(s[t] - m);
 }
 
-// q [B, Hkv, G, D] fp32; K, V [N, bs, Hkv, D] of E (int8, or bf16 bits); KS, VS [N, bs, Hkv] fp32 scales (int8;
-// null for bf16); table [B, nb] int64; mask [B, nb * bs] bool, or empty for all keys visible. Returns
-// [B, Hkv, G, D] fp32.
 // Chunks a sequence's keys are cut in: its visible blocks (from its own mask row, so never from the batch it is in)
 // split into at most MAX_CHUNKS chunks of at least `min_blocks` blocks each. A lone short sequence then still
 // gives every thread work of about equal size (SmolLM2's 3 KV heads were 3 tasks on 2 threads: one thread did
@@ -138,7 +135,9 @@ struct Chunks {
 inline Chunks chunks_of(const bool* mrow, int64_t nb, int64_t bs, int64_t min_blocks) {
   int64_t first = 0, last = nb - 1;
   if (mrow) {
-    auto visible = [&](int64_t j) { return std::any_of(mrow + j * bs, mrow + (j + 1) * bs, [](bool x) { return x; }); };
+    auto visible = [&](int64_t j) {
+      return std::any_of(mrow + j * bs, mrow + (j + 1) * bs, [](bool x) { return x; });
+    };
     while (first < nb && !visible(first)) ++first;
     while (last >= first && !visible(last)) --last;
   }
@@ -148,6 +147,9 @@ inline Chunks chunks_of(const bool* mrow, int64_t nb, int64_t bs, int64_t min_bl
   return {first, size, (blocks + size - 1) / size};
 }
 
+// q [B, Hkv, G, D] fp32; K, V [N, bs, Hkv, D] of E (int8, or bf16 bits); KS, VS [N, bs, Hkv] fp32 scales (int8;
+// null for bf16); table [B, nb] int64; mask [B, nb * bs] bool, or empty for all keys visible. Returns
+// [B, Hkv, G, D] fp32.
 template <typename E>
 at::Tensor decode(const at::Tensor& q, const at::Tensor& kd, const E* K, const float* KS, const E* V,
                   const float* VS, const at::Tensor& table, const at::Tensor& mask, double scale,
@@ -306,8 +308,7 @@ TORCH_LIBRARY(tokenhaul_kv, m) {
   m.def("decode_int8(Tensor q, Tensor kd, Tensor ks, Tensor vd, Tensor vs, Tensor table, Tensor mask, "
         "float scale, int min_chunk_blocks) -> Tensor");
   m.def("decode_bf16(Tensor q, Tensor kd, Tensor vd, Tensor table, Tensor mask, float scale, "
-        "int min_chunk_blocks) "
-        "-> Tensor");
+        "int min_chunk_blocks) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(tokenhaul_kv, CPU, m) {
