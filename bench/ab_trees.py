@@ -25,8 +25,8 @@ ROOT = Path(__file__).resolve().parent.parent
 CHILD = r"""
 import json, sys
 from tokenhaul import LLM, SamplingParams
-model, batch, new = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
-llm = LLM(model)
+model, batch, new, sparsity = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), float(sys.argv[4])
+llm = LLM(model, sparsity=sparsity)
 prompts = [f"Write a long story about a harbour, number {i}." for i in range(batch)]
 llm.generate(prompts, SamplingParams(max_tokens=8, temperature=0, ignore_eos=True))
 outs = llm.generate(prompts, SamplingParams(max_tokens=new, temperature=0, ignore_eos=True))
@@ -36,9 +36,9 @@ print(json.dumps({"tps": sum(s.num_sampled for s in steps) / sum(s.seconds for s
 """
 
 
-def run(tree: Path, model: str, batch: int, new: int) -> dict:
+def run(tree: Path, model: str, batch: int, new: int, sparsity: float) -> dict:
     env = dict(os.environ, PYTHONPATH=str(tree))
-    out = subprocess.run([sys.executable, "-c", CHILD, model, str(batch), str(new)], env=env, cwd=tree,
+    out = subprocess.run([sys.executable, "-c", CHILD, model, str(batch), str(new), str(sparsity)], env=env, cwd=tree,
                          capture_output=True, text=True)
     if out.returncode:
         sys.exit(f"{tree}: {out.stderr[-2000:]}")
@@ -56,6 +56,7 @@ def main() -> None:
     ap.add_argument("--models", default="smollm2-135m,qwen2.5-coder-0.5b")
     ap.add_argument("--batch", type=int, default=1)
     ap.add_argument("--new-tokens", type=int, default=128)
+    ap.add_argument("--sparsity", type=float, default=0.0, help="activation sparsity of both trees (0: dense)")
     ap.add_argument("--rounds", type=int, default=6, help="processes per tree, alternating (order flips each round)")
     ap.add_argument("--prepare", action="store_true", help="first run each tree once and wait for its compile")
     args = ap.parse_args()
@@ -76,13 +77,13 @@ def main() -> None:
             for model in args.models.split(","):
                 if args.prepare:
                     for tree in trees.values():
-                        run(tree, model, args.batch, 8)
+                        run(tree, model, args.batch, 8, args.sparsity)
                         wait_for_compiles()
                 rates: dict[str, list[float]] = {n: [] for n in trees}
                 texts = {}
                 for r in range(args.rounds):
                     for name in (list(trees) if r % 2 == 0 else list(trees)[::-1]):
-                        out = run(trees[name], model, args.batch, args.new_tokens)
+                        out = run(trees[name], model, args.batch, args.new_tokens, args.sparsity)
                         rates[name].append(out["tps"])
                         texts[name] = out["text"]
                 a, b = (statistics.median(rates[n]) for n in trees)

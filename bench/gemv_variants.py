@@ -33,6 +33,7 @@ SOURCES = {"int8": "tokenhaul/layers/int8_gemv.cpp", "int4": "tokenhaul/layers/i
            "sparse-int8": "tokenhaul/layers/sparse_gemv.cpp", "sparse-int4": "tokenhaul/layers/sparse_gemv.cpp"}
 NAMESPACES = {"int8": "tokenhaul_int8", "int4": "tokenhaul_int4", "sparse-int8": "tokenhaul_sparse",
               "sparse-int4": "tokenhaul_sparse"}
+OPS = {"int8": "int8_gemv", "int4": "gemv", "sparse-int8": "sparse_gemv", "sparse-int4": "sparse_gemv"}
 SHAPES = {"qwen2.5-0.5b": [(1152, 896), (896, 896), (9728, 896), (896, 4864)],  # qkv, o, gate_up, down
           "smollm2-135m": [(960, 576), (576, 576), (3072, 576), (576, 1536)],
           "lm-heads": [(151936, 896), (49152, 576)]}  # Qwen2.5-0.5B's and SmolLM2's
@@ -49,7 +50,8 @@ def build(kernel: str, name: str, spec: str, workdir: Path):
     file.write_text(text.replace(NAMESPACES[kernel], namespace))
     engine_flags = native._flags()[1]  # as the engine builds it on this host; a variant's own -D flags come after
     load(namespace, [str(file)], extra_cflags=[*engine_flags, "-fopenmp", *flags.split()], is_python_module=False)
-    return getattr(torch.ops, namespace).gemv
+    ops = getattr(torch.ops, namespace)
+    return getattr(ops, OPS[kernel]) if hasattr(ops, OPS[kernel]) else ops.gemv  # revisions before the rename
 
 
 def weights(kernel: str, shapes: list[tuple[int, int]], megabytes: float, rows: int, kept: float,

@@ -16,6 +16,8 @@ def tiny_model(arch: str = "llama", dtype: torch.dtype = torch.float32, seed: in
                 tie_embeddings=True)
     if arch == "gemma3":
         base |= dict(sliding_window=6, sliding_pattern=2, query_scale=0.25, embed_scale=8.0)
+    if arch == "qwen2":  # Llama's forward with a QKV bias
+        base |= dict(qkv_bias=True)
     cfg = ModelConfig(**(base | kw))
     g = torch.Generator().manual_seed(seed)
 
@@ -30,6 +32,8 @@ def tiny_model(arch: str = "llama", dtype: torch.dtype = torch.float32, seed: in
               p + "attn_output.weight": r(h, q), p + "ffn_gate.weight": r(f, h), p + "ffn_up.weight": r(f, h),
               p + "ffn_down.weight": r(h, f), p + "attn_norm.weight": torch.ones(h),
               p + "ffn_norm.weight": torch.ones(h)}
+        if cfg.qkv_bias:
+            w |= {p + "attn_q.bias": r(q), p + "attn_k.bias": r(kv), p + "attn_v.bias": r(kv)}
         if arch == "gemma3":
             w |= {p + "post_attention_norm.weight": torch.ones(h), p + "post_ffw_norm.weight": torch.ones(h),
                   p + "attn_q_norm.weight": torch.ones(d), p + "attn_k_norm.weight": torch.ones(d)}

@@ -34,7 +34,7 @@ def compiled_core(arch: str, quant: str, sparsity: float = 0.0, kv_dtype: str = 
 @pytest.mark.parametrize("arch,quant,sparsity,kv_dtype", [
     ("llama", "int4", 0.0, "auto"), ("llama", "int8", 0.0, "auto"), ("gemma3", "none", 0.0, "auto"),
     ("llama", "int4", 0.4, "auto"), ("llama", "int8", 0.4, "auto"), ("llama", "int4", 0.0, "int8"),
-    ("gemma3", "none", 0.0, "int8")])
+    ("gemma3", "none", 0.0, "int8"), ("qwen2", "int4", 0.4, "auto")])
 def test_compiled_step_matches_eager(arch, quant, sparsity, kv_dtype):
     """Each compiled batch-1 decode step is re-run eagerly on the same state; the logits agree. gemma3's
     sliding window (6) is crossed, and contexts span 3 to 8 blocks of 4. Sparse linears run their gathered

@@ -315,9 +315,9 @@ def test_int8_gemv_row_alone_equals_row_in_batch(threads):
         for n, k in ((1, 64), (37, 96), (301, 4128), (1030, 896)):
             w, scale = _int8_parts(torch.randn(n, k, generator=g))
             x = torch.randn(11, k, generator=g).bfloat16()  # two passes (8 + 3 rows)
-            batch = torch.ops.tokenhaul_int8.gemv(x, w, scale.bfloat16())
+            batch = torch.ops.tokenhaul_int8.int8_gemv(x, w, scale.bfloat16())
             for i in range(11):
-                assert torch.equal(torch.ops.tokenhaul_int8.gemv(x[i:i + 1], w, scale.bfloat16())[0], batch[i])
+                assert torch.equal(torch.ops.tokenhaul_int8.int8_gemv(x[i:i + 1], w, scale.bfloat16())[0], batch[i])
     finally:
         torch.set_num_threads(old)
 

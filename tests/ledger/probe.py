@@ -7,6 +7,8 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
+PACKED_GEMVS = (("tokenhaul_int4", "gemv"), ("tokenhaul_int8", "int8_gemv"))  # (namespace, op): the C++ GEMVs
+
 
 def _ptr(t: torch.Tensor) -> int:
     return t.untyped_storage().data_ptr()
@@ -48,7 +50,7 @@ class TrafficCounter(TorchDispatchMode):
         if name in ("matmul", "mm") and out.numel():
             self.flops += 2 * args[0].numel() * args[1].shape[-1]
         elif (name.startswith(("_weight_int4pack_mm", "_weight_int8pack_mm"))
-              or (name == "gemv" and func.namespace in ("tokenhaul_int4", "tokenhaul_int8"))) and out.numel():
+              or (func.namespace, name) in PACKED_GEMVS) and out.numel():
             self.flops += 2 * args[0].numel() * out.shape[-1]
         elif name == "_int_mm" and out.numel():  # int8 linears: two int8 rows (hi, lo) per activation row
             self.flops += args[0].numel() * args[1].shape[-1]

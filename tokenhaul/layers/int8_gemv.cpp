@@ -5,6 +5,7 @@
 // range as STREAMS runs at once (more cache lines in flight per core).
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
+#include <torch/csrc/inductor/aoti_torch/utils.h>
 
 #include <algorithm>
 #include <cstdint>
@@ -178,6 +179,17 @@ at::Tensor int8_gemv(const at::Tensor& x, const at::Tensor& weight, const at::Te
   return y;
 }
 
-TORCH_LIBRARY(tokenhaul_int8, m) { m.def("gemv(Tensor x, Tensor weight, Tensor scales) -> Tensor"); }
+// The op as a C function, for a compiled graph to call without the dispatcher (tokenhaul/native.py c_shims)
+extern "C" AOTITorchError aoti_torch_cpu_int8_gemv(AtenTensorHandle x, AtenTensorHandle weight, AtenTensorHandle scales,
+                                                   AtenTensorHandle* out) {
+  using torch::aot_inductor::tensor_handle_to_tensor_pointer;
+  AOTI_TORCH_CONVERT_EXCEPTION_TO_ERROR_CODE({
+    *out = torch::aot_inductor::new_tensor_handle(int8_gemv(*tensor_handle_to_tensor_pointer(x),
+                                                            *tensor_handle_to_tensor_pointer(weight),
+                                                            *tensor_handle_to_tensor_pointer(scales)));
+  });
+}
 
-TORCH_LIBRARY_IMPL(tokenhaul_int8, CPU, m) { m.impl("gemv", &int8_gemv); }
+TORCH_LIBRARY(tokenhaul_int8, m) { m.def("int8_gemv(Tensor x, Tensor weight, Tensor scales) -> Tensor"); }
+
+TORCH_LIBRARY_IMPL(tokenhaul_int8, CPU, m) { m.impl("int8_gemv", &int8_gemv); }

@@ -1,4 +1,4 @@
-"""Few-row int8 linear: `torch.ops.tokenhaul_int8.gemv(x bf16 [M, K], weight int8 [N, K], scales bf16 [N])` → fp32
+"""Few-row int8 linear: `torch.ops.tokenhaul_int8.int8_gemv(x bf16 [M, K], weight int8 [N, K], scales bf16 [N])` → fp32
 [M, N], for decode steps of `Int8Linear` (passes of up to 8 rows over the weights). At one row it streams the
 SmolLM2 / Qwen lm_heads at 35 GB/s (huge pages, 2 threads) where `_weight_int8pack_mm` read 15 (2.3x); Qwen's int8
 layers 1.2-1.4x.
@@ -19,6 +19,8 @@ from tokenhaul import native
 
 SOURCE = Path(__file__).with_name("int8_gemv.cpp")
 MAX_ROWS = 8  # rows per pass over the weights (one template per row count)
+SHIM = ("AOTITorchError aoti_torch_cpu_int8_gemv(AtenTensorHandle x, AtenTensorHandle weight, "  # the op as a C
+        "AtenTensorHandle scales, AtenTensorHandle* out)")  # function (native.c_shims)
 
 
 def _fake(x: torch.Tensor, weight: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
@@ -28,4 +30,5 @@ def _fake(x: torch.Tensor, weight: torch.Tensor, scales: torch.Tensor) -> torch.
 def available() -> bool:
     """Build (once per machine, tokenhaul/native.py) and load the kernel; False, with one stderr line, if not."""
     return native.load(SOURCE, "few-row int8 linears run torch's _weight_int8pack_mm instead (slower)",
-                       {"tokenhaul_int8::gemv": _fake}, parallel=True)
+                       {"tokenhaul_int8::int8_gemv": _fake}, parallel=True,
+                       shims={"tokenhaul_int8::int8_gemv": SHIM})

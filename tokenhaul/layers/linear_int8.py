@@ -1,5 +1,5 @@
 """8-bit per-channel weights (symmetric, one scale per row). One row (decode), or a few narrow ones, runs the
-C++ kernel `tokenhaul_int8::gemv` (layers/int8_gemv.py: 1.2-2.3x `_weight_int8pack_mm`), other few-row cases
+C++ kernel `tokenhaul_int8::int8_gemv` (layers/int8_gemv.py: 1.2-2.3x `_weight_int8pack_mm`), other few-row cases
 `_weight_int8pack_mm` (bf16 activations); more rows quantize each activation row on the fly and run the integer
 GEMM `torch._int_mm` (int8 x int8, exact int32 sums), which on AVX-512 hosts is 1.5-6x the packed kernel from
 8 rows on and still 2x a bf16 GEMM at 512 rows (bench/linear_kernels.py, bench/RESULTS.md "Speed run 3"); on
@@ -80,7 +80,7 @@ class Int8Linear(Linear):
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         m = x.shape[0]
         if self.gemv_rows(m):
-            y = torch.ops.tokenhaul_int8.gemv(x, self.weight, self.scales)
+            y = torch.ops.tokenhaul_int8.int8_gemv(x, self.weight, self.scales)
         elif self.cuda or m <= self.packed_rows:
             y = torch.ops.aten._weight_int8pack_mm(x.to(torch.bfloat16), self.weight, self.scales)
         elif self.widen:  # no fast int8 GEMM here: one fp32 copy of the weight and an fp32 GEMM

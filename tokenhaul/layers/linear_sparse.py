@@ -30,6 +30,9 @@ MAX_ROWS = 2
 MAX_ROWS_PACKED = 1
 SOURCE = Path(__file__).with_name("sparse_gemv.cpp")
 TILE = 1024  # most columns per part (sparse_gemv.cpp: its fp32 accumulator stays in L1)
+SHIM = ("AOTITorchError aoti_torch_cpu_sparse_gemv(AtenTensorHandle x, double threshold, AtenTensorHandle rows, "
+        "AtenTensorHandle* scales, int64_t out_features, int64_t group, AtenTensorHandle* bias, "  # the op as a C
+        "AtenTensorHandle kept, AtenTensorHandle* out)")  # function (native.c_shims)
 
 
 def part_width(n: int, threads: int) -> int:
@@ -100,8 +103,8 @@ class SparseLinear(Linear):
         self.dense_bytes = 0
         self.widen = not low_precision_gemm_is_fast(rows.device)  # the dense pass in fp32 (see there)
         self.fused = (storage != "dense" or rows.dtype == torch.bfloat16) and native.load(
-            SOURCE, "sparse GEMVs run as several torch ops instead (slower)", {"tokenhaul_sparse::gemv": _fake},
-            parallel=True)
+            SOURCE, "sparse GEMVs run as several torch ops instead (slower)", {"tokenhaul_sparse::sparse_gemv": _fake},
+            parallel=True, shims={"tokenhaul_sparse::sparse_gemv": SHIM})
 
     @classmethod
     def wrap(cls, inner: Linear, threshold: float, max_rows: int | None = None,
@@ -125,8 +128,8 @@ class SparseLinear(Linear):
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         if x.shape[0] <= self.max_rows:
             if self.fused:  # one C++ call: find the kept inputs, read their rows, add the bias
-                return torch.ops.tokenhaul_sparse.gemv(x.contiguous(), self.threshold, self.rows, self.scales,
-                                                       self.out_features, self.group, self.bias, self.kept)
+                return torch.ops.tokenhaul_sparse.sparse_gemv(x.contiguous(), self.threshold, self.rows, self.scales,
+                                                              self.out_features, self.group, self.bias, self.kept)
             return self.reference(x).to(x.dtype)
         xz = torch.where(x.abs() >= self.threshold, x, 0)
         self.dense_bytes += self.weight_bytes

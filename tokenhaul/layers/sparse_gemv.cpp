@@ -14,6 +14,7 @@
 // float pass was bound by its conversions (~13 GB/s a core from L2); fp32 inputs keep the exact float sums.
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
+#include <torch/csrc/inductor/aoti_torch/utils.h>
 
 #include <algorithm>
 #include <cmath>
@@ -570,9 +571,25 @@ at::Tensor sparse_gemv(const at::Tensor& x, double threshold, const at::Tensor& 
   return y;
 }
 
-TORCH_LIBRARY(tokenhaul_sparse, m) {
-  m.def("gemv(Tensor x, float threshold, Tensor rows, Tensor? scales, int out_features, int group, Tensor? bias, "
-        "Tensor(a!) kept) -> Tensor");
+// The op as a C function, for a compiled graph to call without the dispatcher (tokenhaul/native.py c_shims)
+extern "C" AOTITorchError aoti_torch_cpu_sparse_gemv(AtenTensorHandle x, double threshold, AtenTensorHandle rows,
+                                                     AtenTensorHandle* scales, int64_t out_features, int64_t group,
+                                                     AtenTensorHandle* bias, AtenTensorHandle kept,
+                                                     AtenTensorHandle* out) {
+  using torch::aot_inductor::tensor_handle_to_tensor_pointer;
+  auto optional = [](AtenTensorHandle* h) {
+    return h ? c10::optional<at::Tensor>(*tensor_handle_to_tensor_pointer(*h)) : c10::optional<at::Tensor>();
+  };
+  AOTI_TORCH_CONVERT_EXCEPTION_TO_ERROR_CODE({
+    *out = torch::aot_inductor::new_tensor_handle(sparse_gemv(
+        *tensor_handle_to_tensor_pointer(x), threshold, *tensor_handle_to_tensor_pointer(rows), optional(scales),
+        out_features, group, optional(bias), *tensor_handle_to_tensor_pointer(kept)));
+  });
 }
 
-TORCH_LIBRARY_IMPL(tokenhaul_sparse, CPU, m) { m.impl("gemv", &sparse_gemv); }
+TORCH_LIBRARY(tokenhaul_sparse, m) {
+  m.def("sparse_gemv(Tensor x, float threshold, Tensor rows, Tensor? scales, int out_features, int group, "
+        "Tensor? bias, Tensor(a!) kept) -> Tensor");
+}
+
+TORCH_LIBRARY_IMPL(tokenhaul_sparse, CPU, m) { m.impl("sparse_gemv", &sparse_gemv); }
