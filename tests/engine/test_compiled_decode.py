@@ -39,14 +39,15 @@ def test_compiled_step_matches_eager(arch, quant, sparsity, kv_dtype):
     """Each compiled batch-1 decode step is re-run eagerly on the same state; the logits agree. gemma3's
     sliding window (6) is crossed, and contexts span 3 to 8 blocks of 4. Sparse linears run their gathered
     kernel inside the graph, and its count of kept inputs (the ledger's check) still advances there. An int8
-    KV cache is written (quantized) and read by the int8 decode kernel inside the graph."""
+    KV cache is written (quantized) and read by the int8 decode kernel inside the graph. The graph's argmax is
+    its logits' (the greedy token the decoder takes)."""
     core = compiled_core(arch, quant, sparsity, kv_dtype)
     assert core.kv.dtype == (torch.int8 if kv_dtype == "int8" else torch.bfloat16)
     sparse = [v for layer in core.runner.model.layers for v in vars(layer).values() if isinstance(v, SparseLinear)]
     assert len(sparse) == (4 * len(core.runner.model.layers) if sparsity else 0)
     runner = core.runner
     assert runner.compiled.ready and runner.compiled.compile_seconds > 0
-    prepare, forward = runner.prepare, runner.forward
+    prepare, forward = runner.prepare, runner.forward_with_argmax
     compared: list[float] = []
     counted: list[int] = []
 
@@ -60,16 +61,18 @@ def test_compiled_step_matches_eager(arch, quant, sparsity, kv_dtype):
 
     def check(inp):
         before = sum(int(lin.kept[0]) for lin in sparse)
-        logits = forward(inp)
+        logits, top = forward(inp)
         if inp.decode is not None:
+            assert torch.equal(top, logits.argmax(-1))
             counted.append(sum(int(lin.kept[0]) for lin in sparse) - before)  # by the compiled step alone
             assert inp.attn_groups == inp.eager.attn_groups
-            eager = forward(inp.eager)
+            eager, no_top = forward(inp.eager)
+            assert no_top is None
             err = (logits - eager).abs().max() / eager.abs().max()
             compared.append(float(err))
-        return logits
+        return logits, top
 
-    runner.prepare, runner.forward = both, check
+    runner.prepare, runner.forward_with_argmax = both, check
     core.add_request("a", list(range(1, 10)), SamplingParams(max_tokens=24, temperature=0, ignore_eos=True))
     while core.has_unfinished():
         core.step()
@@ -87,8 +90,9 @@ def test_batches_and_prefill_stay_eager():
     """Two sequences decoding together, and prompt chunks, take the eager path; the text is unchanged."""
     core = compiled_core("llama", "int4")
     seen = []
-    forward = core.runner.forward
-    core.runner.forward = lambda inp: seen.append((inp.decode is not None, len(inp.sample_chunks))) or forward(inp)
+    forward = core.runner.forward_with_argmax
+    core.runner.forward_with_argmax = lambda inp: seen.append((inp.decode is not None, len(inp.sample_chunks))) \
+        or forward(inp)
     p = SamplingParams(max_tokens=4, temperature=0, ignore_eos=True)
     core.add_request("a", [5, 6, 7], p)
     core.add_request("b", [8, 9], p)

@@ -55,12 +55,14 @@ class Decoder:
         self._q: dict[str, torch.Tensor | None] = {}
         self._pause: dict[str, int] = {}
 
-    def verify(self, logits: torch.Tensor, chunks: list[ScheduledChunk]) -> list[Verdict]:
-        """logits [R, V]: chunk after chunk, chunk.num_sampled rows each (its drafts, then the next)."""
+    def verify(self, logits: torch.Tensor, chunks: list[ScheduledChunk],
+               top: torch.Tensor | None = None) -> list[Verdict]:
+        """logits [R, V]: chunk after chunk, chunk.num_sampled rows each (its drafts, then the next); `top`:
+        their argmax [R] where the step computed it."""
         if all(c.num_sampled == 1 and c.request.params.greedy and not c.request.params.needs_penalties
                for c in chunks):  # the common step: one greedy token per request, nothing to build
             reqs = [c.request for c in chunks]
-            samples = with_logprobs(logits, argmax(logits).tolist(), reqs)
+            samples = with_logprobs(logits, (argmax(logits) if top is None else top).tolist(), reqs)
             return [Verdict(r, [s], 0, 0) for r, s in zip(reqs, samples)]
         reqs, prefixes, starts, drafts = [], [], [], []
         for c in chunks:

@@ -38,8 +38,10 @@ from tokenhaul.models.registry import Model
 
 
 def _step(model: Model, kv: KVCache, ids: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor,
-          table: torch.Tensor) -> torch.Tensor:
-    """The traced step: one query per sequence; the causal (and sliding-window) mask is built in the graph."""
+          table: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The traced step: one query per sequence; the causal (and sliding-window) mask is built in the graph.
+    Returns the logits and each row's argmax (a greedy token, read while the logits are still in the cores'
+    caches: numpy's argmax after the step took ~50 µs of a 4.4 ms SmolLM2 step)."""
     B, bs = ids.shape[0], kv.block_size
     keys = torch.arange(table.shape[1] * bs, device=ids.device)
     pos = positions.view(B, 1, 1, 1)
@@ -47,7 +49,8 @@ def _step(model: Model, kv: KVCache, ids: torch.Tensor, positions: torch.Tensor,
     window = model.config.sliding_window
     local = mask if window is None else mask & (keys > pos - window)
     meta = AttentionMetadata(positions, slots, [AttnGroup(B, 1, None, table, mask, local)], B, traced=True)
-    return model.compute_logits(model.forward(ids, meta, kv))
+    logits = model.compute_logits(model.forward(ids, meta, kv))
+    return logits, logits.argmax(-1)
 
 
 # No size asserts: the wrapper checked every input's sizes and strides on each call (371 inputs, ~0.3 ms of a
@@ -133,8 +136,10 @@ class CompiledDecode:
         self.compile_seconds = time.perf_counter() - t0
         self.ready = True
 
-    def run(self, ids: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor, table: torch.Tensor) -> torch.Tensor:
-        """ids, positions, slots: [B]; table: [B, >= 2 blocks] (padding → block 0) → fp32 logits [B, vocab]."""
+    def run(self, ids: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor,
+            table: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """ids, positions, slots: [B]; table: [B, >= 2 blocks] (padding → block 0) → fp32 logits [B, vocab] and
+        their argmax [B]."""
         return self._fns[ids.shape[0]](self.model, self.kv, ids, positions, slots, table)
 
 

@@ -212,12 +212,13 @@ class EngineCore:
         t1 = time.perf_counter()
         inp = self.runner.prepare(sched)
         t2 = time.perf_counter()
-        logits = self.runner.forward(inp)
+        logits, top = self.runner.forward_with_argmax(inp)
         if logits.device.type == "cuda":
             torch.cuda.synchronize()
         t3 = time.perf_counter()
         logits, chunks, beam_rows = self.beams.split(logits, inp.sample_chunks)
-        verdicts = self.decoder.verify(logits, chunks) if chunks else []
+        top = top if chunks is inp.sample_chunks else None  # beams took rows out
+        verdicts = self.decoder.verify(logits, chunks, top) if chunks else []
         t4 = time.perf_counter()
         self.scheduler.observe(sched, t4 - t1)
         before = {v.request.request_id: len(v.request.output_token_ids) for v in verdicts}

@@ -122,13 +122,17 @@ class ModelRunner:
         return ModelInput(torch.tensor(ids, dtype=torch.long, device=dev), meta,
                           torch.tensor(sample_rows, dtype=torch.long, device=dev), sample_chunks, view_slots, shapes)
 
-    @torch.inference_mode()
     def forward(self, inp: ModelInput) -> torch.Tensor:
         """Run the model; return fp32 logits [N, vocab] for the sampling rows."""
+        return self.forward_with_argmax(inp)[0]
+
+    @torch.inference_mode()
+    def forward_with_argmax(self, inp: ModelInput) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """`forward`'s logits, and each row's argmax where the compiled step computed it (else None)."""
         if inp.decode is not None:
             return self.compiled.run(*inp.decode)
         hidden = self.model.forward(inp.input_ids, inp.meta, self.kv)
-        return self.model.compute_logits(hidden[inp.sample_rows])
+        return self.model.compute_logits(hidden[inp.sample_rows]), None
 
     def _lone_decode(self, c: ScheduledChunk) -> ModelInput:
         """One request's decode step for the compiled graph, written into LoneDecodeInputs from Python ints (the
