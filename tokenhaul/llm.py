@@ -9,6 +9,7 @@ import torch
 
 from tokenhaul.config import EngineConfig
 from tokenhaul.engine.core import EngineCore
+from tokenhaul.engine.heap import frozen_heap
 from tokenhaul.errors import ModelError, RequestError
 from tokenhaul.kv.cache import KVCache
 from tokenhaul.kv.manager import KVHolder
@@ -108,11 +109,12 @@ class LLM:
                                       keep_kv=keep_kv[i] if keep_kv else None)
                 frontend.add(rid, token_ids, p)
                 ids.append(rid)
-            while self.core.has_unfinished():
-                step = self.core.num_steps
-                _, stopped = frontend.process(self.core.step(), step)
-                for rid in stopped:
-                    self.core.abort(rid, "stop")
+            with frozen_heap():
+                while self.core.has_unfinished():
+                    step = self.core.num_steps
+                    _, stopped = frontend.process(self.core.step(), step)
+                    for rid in stopped:
+                        self.core.abort(rid, "stop")
         except BaseException:
             for rid in ids:
                 self.core.abort(rid)

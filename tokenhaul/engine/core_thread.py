@@ -17,6 +17,7 @@ import traceback
 from collections.abc import Callable
 
 from tokenhaul.engine.core import EngineCore
+from tokenhaul.engine.heap import frozen_heap
 from tokenhaul.engine.messages import AbortRequest, AddRequest, CoreOutputs
 from tokenhaul.errors import CapacityError, TokenhaulError
 
@@ -65,7 +66,12 @@ class CoreThread:
     def run(self) -> None:
         """The step loop, in the calling thread, until shutdown() (or a crash, reported as `dead`).
         `start()` runs it in a new thread; `tokenhaul serve` runs it in the main thread, where the
-        model was loaded: steps there are faster on CPU (per-thread OpenMP/MKL state)."""
+        model was loaded: steps there are faster on CPU (per-thread OpenMP/MKL state). The heap that exists
+        when it starts is kept from the garbage collector (engine/heap.py)."""
+        with frozen_heap():
+            self._loop()
+
+    def _loop(self) -> None:
         self._running = True
         try:
             while True:
