@@ -1,8 +1,8 @@
 """The cyclic garbage collector kept off the objects that exist when a step loop starts.
 
 With a model loaded the process holds ~385 k objects (torch, the model, its compiled step). The ledger's per-token
-records age into the oldest generation, so about every 1,000 SmolLM2 tokens Python ran a full collection over all
-of them: one step stalled by 175 ms (bench/RESULTS.md "A full garbage collection in the token stream"). Inside
+records age into the oldest generation, so every 1,000-2,000 SmolLM2 tokens Python ran a full collection over all
+of them: one step stalled by 175-195 ms (bench/RESULTS.md "A full garbage collection in the token stream"). Inside
 `frozen_heap` those objects are out of the collector's sight (`gc.freeze`); objects still die by reference count,
 and on the last exit they are handed back (`gc.unfreeze`), so cycles among them are collected later, outside the
 token stream."""
