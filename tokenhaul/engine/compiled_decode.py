@@ -81,7 +81,8 @@ class CompiledDecode:
         """What the saved step depends on: the model and its storage, the KV layout, torch, and the code traced."""
         c = config
         root = Path(__file__).resolve().parents[1]
-        code = b"".join(f.read_bytes() for d in ("models", "layers", "kv") for f in sorted((root / d).glob("*.py")))
+        code = b"".join(f.read_bytes() for d in ("models", "layers", "kv") for ext in ("*.py", "*.cpp")  # the kernels
+                        for f in sorted((root / d).glob(ext)))  # too: the graph calls their C functions by signature
         parts_of = [self.model] + list(getattr(self.model, "layers", []))
         linears = [x for part in parts_of for x in vars(part).values() if hasattr(x, "tensors")]
         formats = [type(x).__name__ for part in parts_of for x in vars(part).values()]
