@@ -9,7 +9,9 @@ import torch
 from tiny_models import tiny_model
 
 from tokenhaul.config import EngineConfig
+from tokenhaul.engine.compiled_decode import CompiledDecode
 from tokenhaul.engine.core import EngineCore
+from tokenhaul.engine.step_state import tensor_slots
 from tokenhaul.errors import TokenhaulError
 from tokenhaul.layers import int4_gemv
 from tokenhaul.layers.linear_sparse import SPARSE_LINEARS, SparseLinear, sparsify
@@ -20,9 +22,9 @@ pytestmark = pytest.mark.skipif(EngineConfig(compile="off").compile_blocker is n
                                 reason="no C++ compiler for inductor")
 
 
-def compiled_core(arch: str, quant: str, sparsity: float = 0.0, kv_dtype: str = "auto") -> EngineCore:
+def compiled_core(arch: str, quant: str, sparsity: float = 0.0, kv_dtype: str = "auto", seed: int = 0) -> EngineCore:
     make = LinearFactory(QuantSpec.parse(quant), torch.bfloat16)
-    model = tiny_model(arch, make=make)
+    model = tiny_model(arch, make=make, seed=seed)
     if sparsity:  # every projection and the lm_head gathers the inputs over a small threshold
         keys = [f"blk.{i}.{n}" for i in range(len(model.layers)) for n in SPARSE_LINEARS] + ["lm_head"]
         sparsify(model, dict.fromkeys(keys, 0.02), sparsity)
@@ -47,6 +49,9 @@ def test_compiled_step_matches_eager(arch, quant, sparsity, kv_dtype):
     assert len(sparse) == (4 * len(core.runner.model.layers) if sparsity else 0)
     runner = core.runner
     assert runner.compiled.ready and runner.compiled.compile_seconds > 0
+    # a call hands over the step's four inputs and the cache's tensors; the model's are the step's constants
+    cache = [s.get() for s in tensor_slots(core.kv)]
+    assert len(runner.compiled._cache) == len(cache) and all(a is b for a, b in zip(runner.compiled._cache, cache))
     prepare, forward = runner.prepare, runner.forward_with_argmax
     compared: list[float] = []
     counted: list[int] = []
@@ -84,6 +89,24 @@ def test_compiled_step_matches_eager(arch, quant, sparsity, kv_dtype):
     eight_bit = quant == "int4" and int4_gemv.eight_bit_activations(1)
     assert max(compared) < (0.06 if eight_bit else 0.03), compared
     assert all(c >= len(sparse) for c in counted) if sparse else set(counted) == {0}
+
+
+def test_a_saved_step_runs_on_the_loading_models_weights(monkeypatch):
+    """The package holds no weights: a model of the same shapes (other random weights) loads the step the first
+    one saved, without compiling, and the step reads this model's tensors (the logits match its eager forward)."""
+    compiled_core("llama", "int4")
+    monkeypatch.setattr(CompiledDecode, "_compile", lambda *a: pytest.fail("compiled again"))
+    core = compiled_core("llama", "int4", seed=1)
+    runner = core.runner
+    core.add_request("a", [5, 6, 7], SamplingParams(max_tokens=3, temperature=0, ignore_eos=True))
+    core.step()  # the prompt
+    sched = core.scheduler.schedule()
+    inp = runner.prepare(sched)
+    assert inp.decode is not None
+    logits, _ = runner.compiled.run(*inp.decode)
+    runner.compiled = None
+    eager, _ = runner.forward_with_argmax(runner.prepare(sched))
+    assert ((logits - eager).abs().max() / eager.abs().max()) < 0.06
 
 
 def test_batches_and_prefill_stay_eager():
