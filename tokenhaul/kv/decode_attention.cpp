@@ -174,8 +174,28 @@ at::Tensor decode(const at::Tensor& q, const at::Tensor& kd, const E* K, const f
     task0[b + 1] = task0[b] + H * cut[b].count;
   }
   std::vector<float> part(task0[B] * stride);
+  // a task's first visible block: key slot (blk, t, h) = slot + t * H
+  auto first_slot = [&](int64_t task) {
+    const int64_t b = std::upper_bound(task0.begin(), task0.end(), task) - task0.begin() - 1;
+    const Chunks& ch = cut[b];
+    const int64_t h = (task - task0[b]) / ch.count, j = ch.first + (task - task0[b]) % ch.count * ch.size;
+    return T[b * nb + j] * bs * H + h;
+  };
   at::parallel_for(0, task0[B], 1, [&](int64_t begin, int64_t end) {
     std::vector<float> s(G * bs), kf(bs * D), vf(bs * D);
+#ifdef __AVX2__
+    // The first block of each of this thread's tasks, asked for at once: the loop below fetches a task's next
+    // block while it computes one, so a task's first block was read at the full latency of the pool's memory
+    // (a short context's chunks are 2 blocks: half of all blocks), one task after another.
+    for (int64_t task = begin; task < end; ++task) {
+      const int64_t slot = first_slot(task);
+      for (int64_t t = 0; t < bs; ++t)
+        for (int64_t line = 0; line < D * static_cast<int64_t>(sizeof(E)); line += 64) {
+          _mm_prefetch(reinterpret_cast<const char*>(K + (slot + t * H) * D) + line, _MM_HINT_T1);
+          _mm_prefetch(reinterpret_cast<const char*>(V + (slot + t * H) * D) + line, _MM_HINT_T1);
+        }
+    }
+#endif
     for (int64_t task = begin; task < end; ++task) {
       const int64_t b = std::upper_bound(task0.begin(), task0.end(), task) - task0.begin() - 1;
       const Chunks& ch = cut[b];
