@@ -25,9 +25,11 @@ ROOT = Path(__file__).resolve().parent.parent
 CHILD = r"""
 import json, sys
 from tokenhaul import LLM, SamplingParams
-model, batch, new, sparsity = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), float(sys.argv[4])
+model, sparsity = sys.argv[1], float(sys.argv[4])
+batch, new, context = (int(a) for a in (sys.argv[2], sys.argv[3], sys.argv[5]))
 llm = LLM(model, sparsity=sparsity)
-prompts = [f"Write a long story about a harbour, number {i}." for i in range(batch)]
+filler = "The harbour was quiet that night. " * (context // 7)  # ~7 tokens each
+prompts = [f"{filler}Write a long story about a harbour, number {i}." for i in range(batch)]
 llm.generate(prompts, SamplingParams(max_tokens=8, temperature=0, ignore_eos=True))
 outs = llm.generate(prompts, SamplingParams(max_tokens=new, temperature=0, ignore_eos=True))
 steps = [s for s in outs[0].ledger.steps if not s.is_prefill]
@@ -36,10 +38,10 @@ print(json.dumps({"tps": sum(s.num_sampled for s in steps) / sum(s.seconds for s
 """
 
 
-def run(tree: Path, model: str, batch: int, new: int, sparsity: float) -> dict:
+def run(tree: Path, model: str, batch: int, new: int, sparsity: float, context: int = 0) -> dict:
     env = dict(os.environ, PYTHONPATH=str(tree))
-    out = subprocess.run([sys.executable, "-c", CHILD, model, str(batch), str(new), str(sparsity)], env=env, cwd=tree,
-                         capture_output=True, text=True)
+    out = subprocess.run([sys.executable, "-c", CHILD, model, str(batch), str(new), str(sparsity), str(context)],
+                         env=env, cwd=tree, capture_output=True, text=True)
     if out.returncode:
         sys.exit(f"{tree}: {out.stderr[-2000:]}")
     return json.loads(out.stdout.strip().splitlines()[-1])
@@ -57,6 +59,7 @@ def main() -> None:
     ap.add_argument("--batch", type=int, default=1)
     ap.add_argument("--new-tokens", type=int, default=128)
     ap.add_argument("--sparsity", type=float, default=0.0, help="activation sparsity of both trees (0: dense)")
+    ap.add_argument("--context", type=int, default=0, help="prompt tokens before the question (about; 0: none)")
     ap.add_argument("--rounds", type=int, default=6, help="processes per tree, alternating (order flips each round)")
     ap.add_argument("--prepare", action="store_true", help="first run each tree once and wait for its compile")
     args = ap.parse_args()
@@ -83,7 +86,7 @@ def main() -> None:
                 texts = {}
                 for r in range(args.rounds):
                     for name in (list(trees) if r % 2 == 0 else list(trees)[::-1]):
-                        out = run(trees[name], model, args.batch, args.new_tokens, args.sparsity)
+                        out = run(trees[name], model, args.batch, args.new_tokens, args.sparsity, args.context)
                         rates[name].append(out["tps"])
                         texts[name] = out["text"]
                 a, b = (statistics.median(rates[n]) for n in trees)

@@ -1,10 +1,11 @@
 // Decode attention straight from a paged KV cache, int8 or bf16 (tokenhaul/kv/decode_attention.py builds this).
 //
 // One query group per (sequence, KV head): the G query heads sharing a KV head read each key once, through the
-// block table, in place. Each 16-key block is converted to fp32 in an L1 buffer on the way in; int8 blocks' per-token
-// scales are applied to the score (K) or the softmax weight (V), so no full-precision copy of the cache is ever
-// written. Keys are split into chunks across threads (online softmax per chunk, merged at the end), so a single
-// sequence still uses every thread.
+// block table, in place. Each 16-key block is converted to fp32 in an L1 buffer on the way in, every KV head at
+// once (a token's row of all heads is contiguous: one head's rows alone were two lines of every six); int8 blocks'
+// per-token scales are applied to the score (K) or the softmax weight (V), so no full-precision copy of the cache
+// is ever written. A sequence's keys are split into chunks across threads (online softmax per chunk and head,
+// merged at the end), so a single sequence still uses every thread.
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 #include <torch/csrc/inductor/aoti_torch/utils.h>
@@ -65,24 +66,24 @@ static inline void to_float(const uint16_t* src, float* dst, int64_t D) {
   for (; d < D; ++d) dst[d] = c10::BFloat16(src[d], c10::BFloat16::from_bits());
 }
 
-// s[t] = q · kf[t] for n keys (kf: n rows of D floats)
-static inline void dots(const float* q, const float* kf, int64_t n, int64_t D, float* s) {
+// s[t] = q · kf[t] for n keys (kf: n rows of D floats, ld apart)
+static inline void dots(const float* q, const float* kf, int64_t n, int64_t D, int64_t ld, float* s) {
   int64_t t = 0;
 #ifdef __AVX2__
   if (D % 8 == 0) {
     for (; t + 8 <= n; t += 8) {
-      const float* k = kf + t * D;
+      const float* k = kf + t * ld;
       __m256 a0 = _mm256_setzero_ps(), a1 = a0, a2 = a0, a3 = a0, a4 = a0, a5 = a0, a6 = a0, a7 = a0;
       for (int64_t d = 0; d < D; d += 8) {
         const __m256 qv = _mm256_loadu_ps(q + d);
         a0 = _mm256_fmadd_ps(qv, _mm256_loadu_ps(k + d), a0);
-        a1 = _mm256_fmadd_ps(qv, _mm256_loadu_ps(k + D + d), a1);
-        a2 = _mm256_fmadd_ps(qv, _mm256_loadu_ps(k + 2 * D + d), a2);
-        a3 = _mm256_fmadd_ps(qv, _mm256_loadu_ps(k + 3 * D + d), a3);
-        a4 = _mm256_fmadd_ps(qv, _mm256_loadu_ps(k + 4 * D + d), a4);
-        a5 = _mm256_fmadd_ps(qv, _mm256_loadu_ps(k + 5 * D + d), a5);
-        a6 = _mm256_fmadd_ps(qv, _mm256_loadu_ps(k + 6 * D + d), a6);
-        a7 = _mm256_fmadd_ps(qv, _mm256_loadu_ps(k + 7 * D + d), a7);
+        a1 = _mm256_fmadd_ps(qv, _mm256_loadu_ps(k + ld + d), a1);
+        a2 = _mm256_fmadd_ps(qv, _mm256_loadu_ps(k + 2 * ld + d), a2);
+        a3 = _mm256_fmadd_ps(qv, _mm256_loadu_ps(k + 3 * ld + d), a3);
+        a4 = _mm256_fmadd_ps(qv, _mm256_loadu_ps(k + 4 * ld + d), a4);
+        a5 = _mm256_fmadd_ps(qv, _mm256_loadu_ps(k + 5 * ld + d), a5);
+        a6 = _mm256_fmadd_ps(qv, _mm256_loadu_ps(k + 6 * ld + d), a6);
+        a7 = _mm256_fmadd_ps(qv, _mm256_loadu_ps(k + 7 * ld + d), a7);
       }
       _mm256_storeu_ps(s + t, hsum8(a0, a1, a2, a3, a4, a5, a6, a7));
     }
@@ -90,13 +91,13 @@ static inline void dots(const float* q, const float* kf, int64_t n, int64_t D, f
 #endif
   for (; t < n; ++t) {
     float dot = 0.f;
-    for (int64_t d = 0; d < D; ++d) dot += q[d] * kf[t * D + d];
+    for (int64_t d = 0; d < D; ++d) dot += q[d] * kf[t * ld + d];
     s[t] = dot;
   }
 }
 
-// acc += Σ_t w[t] · vf[t] (vf: n rows of D floats)
-static inline void axpys(const float* w, const float* vf, int64_t n, int64_t D, float* acc) {
+// acc += Σ_t w[t] · vf[t] (vf: n rows of D floats, ld apart)
+static inline void axpys(const float* w, const float* vf, int64_t n, int64_t D, int64_t ld, float* acc) {
   int64_t d0 = 0;
 #ifdef __AVX2__
   for (; d0 + 64 <= D; d0 += 64) {  // 8 accumulators held in registers across the keys
@@ -104,14 +105,14 @@ static inline void axpys(const float* w, const float* vf, int64_t n, int64_t D, 
     for (int i = 0; i < 8; ++i) a[i] = _mm256_loadu_ps(acc + d0 + 8 * i);
     for (int64_t t = 0; t < n; ++t) {
       const __m256 wv = _mm256_set1_ps(w[t]);
-      const float* v = vf + t * D + d0;
+      const float* v = vf + t * ld + d0;
       for (int i = 0; i < 8; ++i) a[i] = _mm256_fmadd_ps(wv, _mm256_loadu_ps(v + 8 * i), a[i]);
     }
     for (int i = 0; i < 8; ++i) _mm256_storeu_ps(acc + d0 + 8 * i, a[i]);
   }
 #endif
   for (int64_t t = 0; t < n; ++t)
-    for (int64_t d = d0; d < D; ++d) acc[d] += w[t] * vf[t * D + d];
+    for (int64_t d = d0; d < D; ++d) acc[d] += w[t] * vf[t * ld + d];
 }
 
 static inline void exps(float* s, int64_t n, float m) {
@@ -168,87 +169,80 @@ at::Tensor decode(const at::Tensor& q, const at::Tensor& kd, const E* K, const f
   const float sc = static_cast<float>(scale);
   const int64_t stride = G * (D + 2);  // per (b, h, chunk): G maxima, G sums, G x D accumulators
   std::vector<Chunks> cut(B);
-  std::vector<int64_t> task0(B + 1, 0);  // sequence b's tasks: task0[b] .. task0[b + 1], H x its chunks
+  std::vector<int64_t> task0(B + 1, 0);  // sequence b's tasks (one per chunk, every KV head): task0[b] .. task0[b + 1]
   for (int64_t b = 0; b < B; ++b) {
     cut[b] = chunks_of(M ? M + b * L : nullptr, nb, bs, min_chunk_blocks);
-    task0[b + 1] = task0[b] + H * cut[b].count;
+    task0[b + 1] = task0[b] + cut[b].count;
   }
-  std::vector<float> part(task0[B] * stride);
-  // a task's first visible block: key slot (blk, t, h) = slot + t * H
-  auto first_slot = [&](int64_t task) {
-    const int64_t b = std::upper_bound(task0.begin(), task0.end(), task) - task0.begin() - 1;
-    const Chunks& ch = cut[b];
-    const int64_t h = (task - task0[b]) / ch.count, j = ch.first + (task - task0[b]) % ch.count * ch.size;
-    return T[b * nb + j] * bs * H + h;
-  };
-  at::parallel_for(0, task0[B], 1, [&](int64_t begin, int64_t end) {
-    std::vector<float> s(G * bs), kf(bs * D), vf(bs * D);
+  // partial softmaxes per (b, h, chunk): sequence b's at task0[b] * H, head by head
+  std::vector<float> part(task0[B] * H * stride);
+  const int64_t row = H * D;  // a token's K (or V) row: every KV head, contiguous
+  const int64_t block_bytes = bs * row * static_cast<int64_t>(sizeof(E));
+  auto fetch = [&](int64_t blk, int hint) {  // every line of a block's K and V
 #ifdef __AVX2__
-    // The first block of each of this thread's tasks, asked for at once: the loop below fetches a task's next
-    // block while it computes one, so a task's first block was read at the full latency of the pool's memory
-    // (a short context's chunks are 2 blocks: half of all blocks), one task after another.
-    for (int64_t task = begin; task < end; ++task) {
-      const int64_t slot = first_slot(task);
-      for (int64_t t = 0; t < bs; ++t)
-        for (int64_t line = 0; line < D * static_cast<int64_t>(sizeof(E)); line += 64) {
-          _mm_prefetch(reinterpret_cast<const char*>(K + (slot + t * H) * D) + line, _MM_HINT_T1);
-          _mm_prefetch(reinterpret_cast<const char*>(V + (slot + t * H) * D) + line, _MM_HINT_T1);
-        }
+    const char* k = reinterpret_cast<const char*>(K + blk * bs * row);
+    const char* v = reinterpret_cast<const char*>(V + blk * bs * row);
+    for (int64_t line = 0; line < block_bytes; line += 64) {
+      if (hint == 1) _mm_prefetch(k + line, _MM_HINT_T1), _mm_prefetch(v + line, _MM_HINT_T1);
+      else _mm_prefetch(k + line, _MM_HINT_T0), _mm_prefetch(v + line, _MM_HINT_T0);
     }
 #endif
+  };
+  at::parallel_for(0, task0[B], 1, [&](int64_t begin, int64_t end) {
+    std::vector<float> s(G * bs), kf(bs * row), vf(bs * row);
+    // The first block of each of this thread's tasks, asked for at once: the loop below fetches a task's next
+    // block while it computes one, so a task's first block was read at the full latency of the pool's memory.
+    for (int64_t task = begin; task < end; ++task) {
+      const int64_t b = std::upper_bound(task0.begin(), task0.end(), task) - task0.begin() - 1;
+      fetch(T[b * nb + cut[b].first + (task - task0[b]) * cut[b].size], 1);
+    }
     for (int64_t task = begin; task < end; ++task) {
       const int64_t b = std::upper_bound(task0.begin(), task0.end(), task) - task0.begin() - 1;
       const Chunks& ch = cut[b];
-      const int64_t h = (task - task0[b]) / ch.count, c = (task - task0[b]) % ch.count;
-      float* mx = part.data() + task * stride;
-      float* sm = mx + G;
-      float* acc = sm + G;
-      std::fill(mx, mx + G, ninf);
-      std::fill(sm, sm + G + G * D, 0.f);
-      const float* qb = Q + (b * H + h) * G * D;
+      const int64_t c = task - task0[b];
+      for (int64_t h = 0; h < H; ++h) {
+        float* mx = part.data() + ((task0[b] * H) + h * ch.count + c) * stride;
+        std::fill(mx, mx + G, ninf);
+        std::fill(mx + G, mx + stride, 0.f);
+      }
       const int64_t j0 = ch.first + c * ch.size;
       for (int64_t j = j0; j < std::min(nb, j0 + ch.size); ++j) {
         const int64_t blk = T[b * nb + j];
         const bool* mrow = M ? M + b * L + j * bs : nullptr;
         if (mrow && std::none_of(mrow, mrow + bs, [](bool x) { return x; })) continue;
-        const int64_t base = blk * bs * H + h;  // slot (blk, t, h) = base + t * H
-#ifdef __AVX2__
-        if (j + 1 < nb) {  // the next block is anywhere in the pool: fetch its rows while this one computes
-          const int64_t next = T[b * nb + j + 1] * bs * H + h;
-          for (int64_t t = 0; t < bs; ++t)
-            for (int64_t line = 0; line < D * static_cast<int64_t>(sizeof(E)); line += 64) {  // every line of a row
-              _mm_prefetch(reinterpret_cast<const char*>(K + (next + t * H) * D) + line, _MM_HINT_T0);
-              _mm_prefetch(reinterpret_cast<const char*>(V + (next + t * H) * D) + line, _MM_HINT_T0);
+        if (j + 1 < nb) fetch(T[b * nb + j + 1], 0);  // the next block is anywhere in the pool
+        to_float(K + blk * bs * row, kf.data(), bs * row);  // the whole block, every head: contiguous reads
+        to_float(V + blk * bs * row, vf.data(), bs * row);
+        for (int64_t h = 0; h < H; ++h) {
+          float* mx = part.data() + ((task0[b] * H) + h * ch.count + c) * stride;
+          float* sm = mx + G;
+          float* acc = sm + G;
+          const float* qb = Q + (b * H + h) * G * D;
+          const int64_t base = blk * bs * H + h;  // slot (blk, t, h) = base + t * H: the scales' index
+          for (int64_t g = 0; g < G; ++g) {
+            float* sg = s.data() + g * bs;
+            dots(qb + g * D, kf.data() + h * D, bs, D, row, sg);
+            float bmax = ninf;
+            for (int64_t t = 0; t < bs; ++t) {
+              sg[t] = (mrow && !mrow[t]) ? ninf : KS ? sg[t] * KS[base + t * H] * sc : sg[t] * sc;
+              bmax = std::max(bmax, sg[t]);
             }
-        }
-#endif
-        for (int64_t t = 0; t < bs; ++t) {
-          to_float(K + (base + t * H) * D, kf.data() + t * D, D);
-          to_float(V + (base + t * H) * D, vf.data() + t * D, D);
-        }
-        for (int64_t g = 0; g < G; ++g) {
-          float* sg = s.data() + g * bs;
-          dots(qb + g * D, kf.data(), bs, D, sg);
-          float bmax = ninf;
-          for (int64_t t = 0; t < bs; ++t) {
-            sg[t] = (mrow && !mrow[t]) ? ninf : KS ? sg[t] * KS[base + t * H] * sc : sg[t] * sc;
-            bmax = std::max(bmax, sg[t]);
+            const float mnew = std::max(mx[g], bmax);
+            const float corr = std::exp(mx[g] - mnew);  // exp(-inf) = 0 on the first visible block
+            exps(sg, bs, mnew);
+            float bsum = 0.f;
+            for (int64_t t = 0; t < bs; ++t) {
+              if (mrow && !mrow[t]) sg[t] = 0.f;  // exp8 clamps: a masked key must weigh exactly nothing
+              bsum += sg[t];
+              if (VS) sg[t] *= VS[base + t * H];
+            }
+            float* ag = acc + g * D;
+            if (corr != 1.f)
+              for (int64_t d = 0; d < D; ++d) ag[d] *= corr;
+            sm[g] = sm[g] * corr + bsum;
+            mx[g] = mnew;
+            axpys(sg, vf.data() + h * D, bs, D, row, ag);
           }
-          const float mnew = std::max(mx[g], bmax);
-          const float corr = std::exp(mx[g] - mnew);  // exp(-inf) = 0 on the first visible block
-          exps(sg, bs, mnew);
-          float bsum = 0.f;
-          for (int64_t t = 0; t < bs; ++t) {
-            if (mrow && !mrow[t]) sg[t] = 0.f;  // exp8 clamps: a masked key must weigh exactly nothing
-            bsum += sg[t];
-            if (VS) sg[t] *= VS[base + t * H];
-          }
-          float* ag = acc + g * D;
-          if (corr != 1.f)
-            for (int64_t d = 0; d < D; ++d) ag[d] *= corr;
-          sm[g] = sm[g] * corr + bsum;
-          mx[g] = mnew;
-          axpys(sg, vf.data(), bs, D, ag);
         }
       }
     }
@@ -257,7 +251,7 @@ at::Tensor decode(const at::Tensor& q, const at::Tensor& kd, const E* K, const f
   float* O = out.data_ptr<float>();
   for (int64_t bh = 0; bh < B * H; ++bh) {  // merge the chunks' partial softmaxes
     const int64_t b = bh / H, nchunks = cut[b].count;
-    const float* first = part.data() + (task0[b] + bh % H * nchunks) * stride;
+    const float* first = part.data() + (task0[b] * H + bh % H * nchunks) * stride;
     for (int64_t g = 0; g < G; ++g) {
       float m = ninf;
       for (int64_t c = 0; c < nchunks; ++c) m = std::max(m, first[c * stride + g]);
