@@ -11,12 +11,14 @@ from gguf import GGMLQuantizationType as Q
 from gguf.quants import dequantize, quantize
 from hypothesis import example, given, settings
 from hypothesis import strategies as st
+from tiny_models import tiny_model
 
 from tokenhaul.errors import TokenhaulError
 from tokenhaul.layers import int8_gemv
 from tokenhaul.layers.gguf_weight import GGUFWeight
 from tokenhaul.layers.linear_int4 import Int4Linear, block_n, groups_of, pack_cpu, unpack_cpu
 from tokenhaul.layers.linear_int8 import Int8Linear
+from tokenhaul.layers.linear_sparse import sparsify
 from tokenhaul.layers.quantization import LinearFactory, QuantSpec
 
 CPU = torch.device("cpu")
@@ -425,3 +427,16 @@ def test_weight_cache_round_trip_is_aligned(tmp_path):
     assert torch.equal(again(x), lins["a"](x))
     b = LinearFactory(QuantSpec("int4"), torch.bfloat16, cache=cache.load()).linear("b", [torch.zeros(80, 64)])
     assert torch.equal(b(x[:, :64]), lins["b"](x[:, :64]))
+
+
+@pytest.mark.parametrize("quant", ["none", "int8", "int4", "int8-sparse", "int4-sparse"])
+def test_linears_take_zero_rows(quant):
+    """A prefill chunk that samples no row asks the lm_head for logits of 0 rows: every format answers [0, out]
+    (the int8 GEMV refused M = 0, so a prompt longer than one step's token budget failed on SmolLM2)."""
+    fmt, _, sparse = quant.partition("-")
+    model = tiny_model("llama", make=LinearFactory(QuantSpec.parse(fmt), torch.bfloat16))
+    if sparse:
+        sparsify(model, {"blk.0.qkv": 0.02, "lm_head": 0.02}, 0.4)
+    for lin in (model.lm_head, model.layers[0].qkv):
+        y = lin(torch.zeros(0, lin.in_features, dtype=torch.bfloat16))
+        assert y.shape == (0, lin.out_features)

@@ -79,7 +79,7 @@ class Int8Linear(Linear):
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         m = x.shape[0]
-        if self.gemv_rows(m):
+        if m and self.gemv_rows(m):  # a prefill chunk that samples no row asks the lm_head for 0 rows
             y = torch.ops.tokenhaul_int8.int8_gemv(x, self.weight, self.scales)
         elif self.cuda or m <= self.packed_rows:
             y = torch.ops.aten._weight_int8pack_mm(x.to(torch.bfloat16), self.weight, self.scales)
