@@ -7,7 +7,7 @@ length); the caches' block count is static too, so the step is saved per KV size
 slots and the block table are tensor inputs: a Python int would be traced as a constant.
 
 The model's tensors are the program's constants, loaded by pointer (no copy, none in the saved package); a call
-passes the step's four inputs and the tensors it writes. Compiled by torch.compile, the step took every weight
+passes the step's four inputs and the KV cache's tensors. Compiled by torch.compile, the step took every weight
 as an input: dynamo's walk over the model and one handle per tensor cost ~350 µs of a 4.6 ms SmolLM2 token.
 
 A cold compile takes under a minute; loading the saved step about a second. `--compile auto` therefore
