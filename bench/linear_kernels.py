@@ -75,8 +75,13 @@ def int4_gemv_table(rows: list[int]) -> None:
 
 
 def int4_table(rows: list[int]) -> None:
-    """int4pack against dequantize-then-GEMM over one layer's linears, 6 distinct copies."""
-    print("\n| int4 | rows | int4pack ms | dense_t + bf16 GEMM ms | int4pack ÷ dequantized |\n|---|---|---|---|---|")
+    """int4pack and the C++ GEMV against dequantize-then-GEMM over one layer's linears, 6 distinct copies: where
+    `Int4Linear.gemv_rows` and `max_rows` lie."""
+    from tokenhaul.layers import int4_gemv
+
+    assert int4_gemv.available(), "int4_gemv.cpp did not build"
+    print("\n| int4 | rows | int4pack ms | C++ GEMV ms | dense_t + bf16 GEMM ms | int4pack ÷ dequantized | "
+          "GEMV ÷ dequantized |\n|---|---|---|---|---|---|---|")
     for name, shapes in LAYERS.items():
         copies = 6
         lins = [Int4Linear.build([torch.randn(n, k) * 0.02], None, torch.bfloat16, CPU, 32)
@@ -85,9 +90,11 @@ def int4_table(rows: list[int]) -> None:
             xs = {k: torch.randn(m, k).bfloat16() for _, k in shapes}
             pack = [lambda lin=lin, x=xs[lin.in_features], sz=lin.torch_scales():
                     torch.ops.aten._weight_int4pack_mm_for_cpu(x, lin.weight, lin.group, sz) for lin in lins]
+            gemv = [lambda lin=lin, x=xs[lin.in_features]: torch.ops.tokenhaul_int4.gemv(
+                x, lin.weight, lin.scales_zeros, lin.group, lin.block) for lin in lins]
             dense = [lambda lin=lin, x=xs[lin.in_features]: x @ lin.dense_t() for lin in lins]
-            p, d = median_ms(pack, 5) / copies, median_ms(dense, 5) / copies
-            print(f"| {name} | {m} | {p:.3f} | {d:.3f} | {p / d:.2f} |", flush=True)
+            p, g, d = (median_ms(calls, 5) / copies for calls in (pack, gemv, dense))
+            print(f"| {name} | {m} | {p:.3f} | {g:.3f} | {d:.3f} | {p / d:.2f} | {g / d:.2f} |", flush=True)
 
 
 def kernel(lin: Int8Linear, mode: str):

@@ -9,12 +9,14 @@
 // the activations unscaled and the group's scale and zero applied after:
 //   y[n] = Σ_g s[g,n] · (Σ_k q[n,k] x[k] - 8 Σ_k x[k]) + z[g,n] · Σ_k x[k].
 // Three ways to sum: fp32 FMAs on the codes widened to fp32 (fp32 activations; bf16 ones of 3 or more rows without
-// AVX-512 BF16), bf16 dot products (AVX-512 BF16, 3 or more rows), bytes times 8-bit activations (bf16 activations
-// of 1 or 2 rows: VPDPBUSD with AVX-512 VNNI, else VPMADDUBSW, the same quantized sums). Within a way each row goes
-// through the same operations whatever the row count, so a row's result depends on its batch only through which
-// way its row count takes. Work is split evenly over threads in (block, group) units; a large weight's share of a
-// thread is cut in parts walked together (more streams in flight), each part in memory order with the scales of a
-// unit a few ahead prefetched; a block two parts share is summed after the parallel region.
+// AVX-512 BF16 or VNNI), bf16 dot products (3 or more rows with AVX-512 BF16 but not VNNI), bytes times 8-bit
+// activations (bf16 activations of 1 or 2 rows: VPDPBUSD with AVX-512 VNNI, else VPMADDUBSW, the same quantized
+// sums; of 3 or more rows with AVX-512 VNNI, in tiles of rows). Within a way each row goes through the same
+// operations whatever the row count, so a row's result depends on its batch only through which way its row count
+// takes (with AVX-512 VNNI there is one way for every row count the engine sends here). Work is split evenly over
+// threads in (block, group) units; a large weight's share of a thread is cut in parts walked together (more
+// streams in flight), each part in memory order with the scales of a unit a few ahead prefetched; a block two parts
+// share is summed after the parallel region.
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 #include <torch/csrc/inductor/aoti_torch/utils.h>
@@ -58,9 +60,10 @@ struct Problem {
   const float* xs;     // [M][G] group sums of x
   int64_t m, k, n, groups, group, block;
   const uint32_t* xpairs;  // bf16 x as (x[k], x[k + 1]) pairs, [M][K / 2]; null when x is fp32
-  const int8_t* xq;        // 8-bit x (the AVX2 path of bf16 activations), [M][K]; null otherwise
+  const int8_t* xq;        // 8-bit x (bf16 activations on the 8-bit paths), [M][K]; null otherwise
   const float* xd;         // its scale per QBLOCK inputs, [M][K / QBLOCK]; xs then holds the quantized x's sums
   bool units;              // sz in unit order [N / 64][G][64][2], else [G][N][2]
+  bool tiles;              // the 8-bit x of 3 or more rows in tiles (AVX-512 VNNI: unit_tiles_i8)
 };
 
 // The (scale, zero) pairs of unit (block b, group g): its 64 rows'.
@@ -70,37 +73,47 @@ inline const uint16_t* unit_scales(const Problem& p, int64_t g, int64_t b) {
 
 constexpr int64_t QBLOCK = 16;  // inputs per activation scale of the 8-bit path
 
-// One QBLOCK of x to int8: q = round-to-even(x · 127 / max|x|); returns max|x|, and the codes' sum in *sum.
-inline float quantize_block(const float* x, int8_t* q, int32_t* sum) {
+// max |x| over n inputs (n a multiple of QBLOCK); a NaN is passed over, as std::max does
+inline float abs_max(const float* x, int64_t n) {
 #ifdef __AVX2__
   static_assert(QBLOCK == 16, "two 8-float registers");
-  const __m256 a = _mm256_loadu_ps(x), b = _mm256_loadu_ps(x + 8), sign = _mm256_set1_ps(-0.0f);
-  const __m256 m = _mm256_max_ps(_mm256_andnot_ps(sign, b),  // a NaN is passed over, as std::max does
-                                 _mm256_max_ps(_mm256_andnot_ps(sign, a), _mm256_setzero_ps()));
+  const __m256 sign = _mm256_set1_ps(-0.0f);
+  __m256 m = _mm256_setzero_ps();
+  for (int64_t i = 0; i < n; i += 8) m = _mm256_max_ps(_mm256_andnot_ps(sign, _mm256_loadu_ps(x + i)), m);
   __m128 h = _mm_max_ps(_mm256_castps256_ps128(m), _mm256_extractf128_ps(m, 1));
   h = _mm_max_ps(h, _mm_movehl_ps(h, h));
-  const float amax = _mm_cvtss_f32(_mm_max_ss(h, _mm_movehdup_ps(h)));
-  const __m256 inv = _mm256_set1_ps(amax > 0.0f ? 127.0f / amax : 0.0f);
-  const __m256i qa = _mm256_cvtps_epi32(_mm256_mul_ps(a, inv)), qb = _mm256_cvtps_epi32(_mm256_mul_ps(b, inv));
-  const __m256i q16 = _mm256_permute4x64_epi64(_mm256_packs_epi32(qa, qb), 0xD8);  // 16 codes in order
-  _mm_storeu_si128(reinterpret_cast<__m128i*>(q),
-                   _mm_packs_epi16(_mm256_castsi256_si128(q16), _mm256_extracti128_si256(q16, 1)));
-  __m128i t = _mm_add_epi32(_mm256_castsi256_si128(_mm256_add_epi32(qa, qb)),
-                            _mm256_extracti128_si256(_mm256_add_epi32(qa, qb), 1));
-  t = _mm_add_epi32(t, _mm_shuffle_epi32(t, 0x4E));
-  *sum = _mm_cvtsi128_si32(_mm_add_epi32(t, _mm_shuffle_epi32(t, 0xB1)));
-  return amax;
+  return _mm_cvtss_f32(_mm_max_ss(h, _mm_movehdup_ps(h)));
 #else
   float amax = 0.0f;
-  for (int64_t j = 0; j < QBLOCK; ++j) amax = std::max(amax, std::fabs(x[j]));
-  const float inv = amax > 0.0f ? 127.0f / amax : 0.0f;
-  *sum = 0;
-  for (int64_t j = 0; j < QBLOCK; ++j) {
-    q[j] = static_cast<int8_t>(std::nearbyint(x[j] * inv));
-    *sum += q[j];
-  }
+  for (int64_t j = 0; j < n; ++j) amax = std::max(amax, std::fabs(x[j]));
   return amax;
 #endif
+}
+
+// n inputs (a multiple of QBLOCK) to int8: q = round-to-even(x · 127 / amax); returns the codes' sum.
+inline int32_t quantize(const float* x, int64_t n, float amax, int8_t* q) {
+  const float inv = amax > 0.0f ? 127.0f / amax : 0.0f;
+  int32_t sum = 0;
+#ifdef __AVX2__
+  const __m256 iv = _mm256_set1_ps(inv);
+  for (int64_t i = 0; i < n; i += QBLOCK) {
+    const __m256i qa = _mm256_cvtps_epi32(_mm256_mul_ps(_mm256_loadu_ps(x + i), iv));
+    const __m256i qb = _mm256_cvtps_epi32(_mm256_mul_ps(_mm256_loadu_ps(x + i + 8), iv));
+    const __m256i q16 = _mm256_permute4x64_epi64(_mm256_packs_epi32(qa, qb), 0xD8);  // 16 codes in order
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(q + i),
+                     _mm_packs_epi16(_mm256_castsi256_si128(q16), _mm256_extracti128_si256(q16, 1)));
+    __m128i t = _mm_add_epi32(_mm256_castsi256_si128(_mm256_add_epi32(qa, qb)),
+                              _mm256_extracti128_si256(_mm256_add_epi32(qa, qb), 1));
+    t = _mm_add_epi32(t, _mm_shuffle_epi32(t, 0x4E));
+    sum += _mm_cvtsi128_si32(_mm_add_epi32(t, _mm_shuffle_epi32(t, 0xB1)));
+  }
+#else
+  for (int64_t j = 0; j < n; ++j) {
+    q[j] = static_cast<int8_t>(std::nearbyint(x[j] * inv));
+    sum += q[j];
+  }
+#endif
+  return sum;
 }
 
 #ifdef __AVX2__
@@ -425,6 +438,97 @@ AVX512_VNNI void block_rows_vnni(const Problem& p, int64_t b, int64_t g, float* 
   }
 }
 
+// Three or more rows with AVX-512 VNNI (64-row blocks): the 8-bit path above, each row through the very same
+// operations (so a row's result does not depend on how many rows share the call), in tiles of up to 8 rows: the
+// unit's codes are laid out once as VPDPBUSD operands (16 rows × 4 inputs a register) in an L1 buffer, then each
+// register is taken against every row's broadcast x quad — 8 independent sums in flight, and the layout's byte
+// permutations done once per unit instead of once per row.
+constexpr int64_t GROUP_TILE = 8;  // rows summed together
+constexpr int64_t MAX_QUAD_GROUP = 128;  // largest group of the many-row 8-bit path (its code buffer: 8 KB)
+
+template <int TM, int QUADS>
+AVX512_VNNI void tile_i8(const Problem& p, const __m512i* codes, int64_t g, int64_t m0, int j, __m512 scale,
+                         __m512 zero, float* out) {
+  static_assert(QBLOCK == 16, "4 quads a block");
+  const int64_t k = p.k, nb = k / QBLOCK;
+  const int8_t* xq = p.xq + m0 * k + g * p.group;
+  const float* xd = p.xd + m0 * nb + g * p.group / QBLOCK;
+  __m512 acc[TM];
+#pragma GCC unroll 8
+  for (int m = 0; m < TM; ++m) acc[m] = _mm512_setzero_ps();
+#pragma GCC unroll 8
+  for (int blk = 0; blk < QUADS / 4; ++blk) {
+    __m512i sum[TM];
+#pragma GCC unroll 8
+    for (int m = 0; m < TM; ++m) sum[m] = _mm512_setzero_si512();
+#pragma GCC unroll 4
+    for (int i = blk * 4; i < blk * 4 + 4; ++i) {
+      const __m512i w = _mm512_load_si512(codes + i);
+#pragma GCC unroll 8
+      for (int m = 0; m < TM; ++m) {
+        int32_t quad;
+        std::memcpy(&quad, xq + m * k + 4 * i, 4);
+        sum[m] = _mm512_dpbusd_epi32(sum[m], w, _mm512_set1_epi32(quad));
+      }
+    }
+#pragma GCC unroll 8
+    for (int m = 0; m < TM; ++m)
+      acc[m] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(sum[m]), _mm512_set1_ps(xd[m * nb + blk]), acc[m]);
+  }
+#pragma GCC unroll 8
+  for (int m = 0; m < TM; ++m) {
+    const float sx = p.xs[(m0 + m) * p.groups + g];
+    float* o = out + (m0 + m) * 64 + j * 16;
+    const __m512 centred = _mm512_sub_ps(acc[m], _mm512_set1_ps(8.0f * sx));
+    const __m512 y = _mm512_fmadd_ps(scale, centred, _mm512_loadu_ps(o));
+    _mm512_storeu_ps(o, _mm512_fmadd_ps(zero, _mm512_set1_ps(sx), y));
+  }
+}
+
+// Tiles of up to GROUP_TILE rows over all of x's rows, for one 16-row register j of the unit's codes.
+template <int QUADS>
+AVX512_VNNI void tiles_i8(const Problem& p, const __m512i* codes, int64_t g, int j, __m512 scale, __m512 zero,
+                          float* out) {
+  for (int64_t m0 = 0; m0 < p.m;) {
+    const int64_t tm = std::min<int64_t>(p.m - m0, GROUP_TILE);
+    switch (tm) {
+      case 1: tile_i8<1, QUADS>(p, codes, g, m0, j, scale, zero, out); break;
+      case 2: tile_i8<2, QUADS>(p, codes, g, m0, j, scale, zero, out); break;
+      case 3: tile_i8<3, QUADS>(p, codes, g, m0, j, scale, zero, out); break;
+      case 4: tile_i8<4, QUADS>(p, codes, g, m0, j, scale, zero, out); break;
+      case 5: tile_i8<5, QUADS>(p, codes, g, m0, j, scale, zero, out); break;
+      case 6: tile_i8<6, QUADS>(p, codes, g, m0, j, scale, zero, out); break;
+      case 7: tile_i8<7, QUADS>(p, codes, g, m0, j, scale, zero, out); break;
+      default: tile_i8<8, QUADS>(p, codes, g, m0, j, scale, zero, out); break;
+    }
+    m0 += tm;
+  }
+}
+
+AVX512_VNNI void unit_tiles_i8(const Problem& p, int64_t b, int64_t g, float* out) {
+  const int64_t k = p.k, quads = p.group / 4;
+  alignas(64) __m512i codes[4][MAX_QUAD_GROUP / 4];  // [16-row register j][quad]
+  const uint8_t* src = p.w + b * k * 32 + g * p.group * 32;
+  const __m512i idx0 = _mm512_load_si512(kQuads.idx[0]), idx1 = _mm512_load_si512(kQuads.idx[1]);
+  const __m512i low4 = _mm512_set1_epi8(15);
+  for (int64_t i = 0; i < quads; ++i) {
+    const __m512i v0 = _mm512_loadu_si512(src + i * 128), v1 = _mm512_loadu_si512(src + i * 128 + 64);
+    const __m512i a = _mm512_permutex2var_epi8(v0, idx0, v1), c = _mm512_permutex2var_epi8(v0, idx1, v1);
+    codes[0][i] = _mm512_and_si512(a, low4);
+    codes[1][i] = _mm512_and_si512(c, low4);
+    codes[2][i] = _mm512_and_si512(_mm512_srli_epi16(a, 4), low4);
+    codes[3][i] = _mm512_and_si512(_mm512_srli_epi16(c, 4), low4);
+  }
+  const uint16_t* szb = unit_scales(p, g, b);
+  for (int j = 0; j < 4; ++j) {
+    __m512 scale, zero;
+    scales16(szb, j, scale, zero);
+    if (p.group == 32) tiles_i8<8>(p, codes[j], g, j, scale, zero, out);
+    else if (p.group == 64) tiles_i8<16>(p, codes[j], g, j, scale, zero, out);
+    else tiles_i8<32>(p, codes[j], g, j, scale, zero, out);
+  }
+}
+
 bool has_avx512_vnni() {
   static const bool yes = __builtin_cpu_supports("avx512vnni") && __builtin_cpu_supports("avx512vbmi") &&
                           __builtin_cpu_supports("avx512bw") && __builtin_cpu_supports("avx512vl");
@@ -442,8 +546,18 @@ bool has_avx512_bf16() {
 // bench/RESULTS.md "int4 and int8 GEMVs on AVX2"; VNNI from 5 rows: "Many-row int4 GEMV")
 bool eight_bit_activations(int64_t m) { return m <= 2; }
 
+// bf16 activations of 3 or more rows take the 8-bit path too where the CPU has AVX-512 VNNI (64-row blocks), in
+// tiles of rows (unit_tiles_i8)
+bool eight_bit_tiles(int64_t m, int64_t group, int64_t block) {
+  return m >= 3 && block == 64 && (group == 32 || group == 64 || group == 128) && has_avx512_vnni();
+}
+
 // One unit (block b, group g) for every row of x, added into out[M][64].
 void unit(const Problem& p, int64_t b, int64_t g, float* out) {
+  if (p.tiles) {
+    unit_tiles_i8(p, b, g, out);
+    return;
+  }
   if (p.xq != nullptr && p.block == 64 && has_avx512_vnni()) {  // 1.3x the bf16 dot products in cache
     if (p.m == 1) block_rows_vnni<1>(p, b, g, out);
     else block_rows_vnni<2>(p, b, g, out);
@@ -484,6 +598,7 @@ void unit(const Problem& p, int64_t b, int64_t g, float* out) {
 }
 #else
 bool eight_bit_activations(int64_t) { return false; }
+bool eight_bit_tiles(int64_t, int64_t, int64_t) { return false; }
 
 void unit(const Problem& p, int64_t b, int64_t g, float* out) {
   const int64_t half = p.block / 2;
@@ -559,15 +674,16 @@ at::Tensor gemv(const at::Tensor& x, const at::Tensor& weight, const at::Tensor&
   } else {
     std::memcpy(xf, xc.data_ptr<float>(), m * k * sizeof(float));
   }
-  const bool eight_bit = bf16 && eight_bit_activations(m);
+  const bool tiles = bf16 && !eight_bit_activations(m) && eight_bit_tiles(m, group, block);
+  const bool eight_bit = bf16 && (eight_bit_activations(m) || tiles);
   if (eight_bit) {  // quantized per QBLOCK inputs; xs: the quantized x's group sums
     TORCH_CHECK(group <= 128, "the 8-bit path takes groups of up to 128 inputs");
     xq_area.resize(std::max<size_t>(xq_area.size(), m * k));
     for (int64_t i = 0; i < nq; ++i) {
-      int32_t codes;
-      const float d = quantize_block(xf + i * QBLOCK, xq_area.data() + i * QBLOCK, &codes) / 127.0f;
-      xd[i] = d;
-      block_sum[i] = d * static_cast<float>(codes);
+      const float amax = abs_max(xf + i * QBLOCK, QBLOCK);
+      const int32_t codes = quantize(xf + i * QBLOCK, QBLOCK, amax, xq_area.data() + i * QBLOCK);
+      xd[i] = amax / 127.0f;
+      block_sum[i] = xd[i] * static_cast<float>(codes);
     }
     for (int64_t i = 0; i < m * groups; ++i) {
       float total = 0.0f;
@@ -584,7 +700,7 @@ at::Tensor gemv(const at::Tensor& x, const at::Tensor& weight, const at::Tensor&
   const Problem p{weight.data_ptr<uint8_t>(), reinterpret_cast<const uint16_t*>(scales_zeros.data_ptr<at::BFloat16>()),
                   xf, xs, m, k, n, groups, group, block,
                   bf16 ? reinterpret_cast<const uint32_t*>(xc.data_ptr<at::BFloat16>()) : nullptr,
-                  eight_bit ? xq_area.data() : nullptr, eight_bit ? xd : nullptr, unit_order};
+                  eight_bit ? xq_area.data() : nullptr, eight_bit ? xd : nullptr, unit_order, tiles};
   edge_area.assign(parts * 2, -1);
   int64_t* edge_block = edge_area.data();
   at::BFloat16* yb = bf16 ? y.data_ptr<at::BFloat16>() : nullptr;

@@ -5,8 +5,9 @@ A small C++ kernel (int4_gemv.cpp, built on first use: tokenhaul/native.py), reg
 implementation so the compiled decode step can call it. Per group the codes are summed against the activations
 and the group's scale and zero applied to the sum. bf16 activations of 1-2 rows: quantized to 8 bits per 16
 inputs and multiplied as bytes (llama.cpp's way: `vpdpbusd` with AVX-512 VNNI, else `vpmaddubsw`); of more rows,
-with AVX-512 BF16, bf16 dot products of the codes (exact as bf16) with the activations. fp32 activations and the
-rest: AVX2 FMAs on the codes as fp32.
+with AVX-512 VNNI the same 8-bit path in tiles of 8 rows (each row's result as if it were alone), else with
+AVX-512 BF16 bf16 dot products of the codes (exact as bf16) with the activations. fp32 activations and the rest:
+AVX2 FMAs on the codes as fp32.
 Without a C++ compiler `Int4Linear` keeps `_weight_int4pack_mm_for_cpu` (one stderr line says so)."""
 
 from __future__ import annotations
@@ -32,26 +33,36 @@ def _fake(x: torch.Tensor, weight: torch.Tensor, scales_zeros: torch.Tensor, gro
     return x.new_empty(x.shape[0], outputs(scales_zeros))
 
 
-def _avx512_bf16() -> bool:
-    """Whether this CPU runs the bf16 dot-product path (torch packs 64-row blocks where it runs AVX-512)."""
+def _avx512_with(*features: str) -> bool:
+    """Whether this CPU runs torch's AVX-512 kernels (64-row int4 blocks) and has these /proc/cpuinfo flags besides
+    avx512vbmi / bw / vl (which every AVX-512 path of int4_gemv.cpp also needs)."""
     if torch.backends.cpu.get_cpu_capability() != "AVX512":
         return False
     try:
         flags = next((line for line in Path("/proc/cpuinfo").read_text().splitlines() if line.startswith("flags")), "")
     except OSError:
         flags = ""
-    return {"avx512_bf16", "avx512vbmi", "avx512bw", "avx512vl"} <= set(flags.split())
+    return {*features, "avx512vbmi", "avx512bw", "avx512vl"} <= set(flags.split())
 
 
-def eight_bit_activations(rows: int) -> bool:
-    """Whether bf16 activations of `rows` rows are quantized to 8 bits per QBLOCK inputs (int4_gemv.cpp: one or
-    two rows, with AVX2 or AVX-512); fp32 ones never are."""
-    return rows <= 2 and torch.backends.cpu.get_cpu_capability() in ("AVX2", "AVX512")
+def _avx512_bf16() -> bool:
+    """Whether this CPU runs the bf16 dot-product path."""
+    return _avx512_with("avx512_bf16")
 
 
-def quantize_activations(x: torch.Tensor) -> torch.Tensor:
-    """The values the 8-bit path multiplies by: x [M, K] per QBLOCK inputs rounded to d · int8, d = max|x| / 127."""
-    xb = x.float().view(x.shape[0], -1, QBLOCK)
+def activation_block(rows: int, group: int, block: int) -> int | None:
+    """Inputs per scale where int4_gemv.cpp quantizes bf16 activations of `rows` rows to 8 bits against weights in
+    `block`-row blocks: QBLOCK for one or two rows (AVX2 or AVX-512) and for more with AVX-512 VNNI, 64-row blocks
+    and groups of 32, 64 or 128 (the same operations per row: a row's result does not depend on the batch); else
+    None (fp32 activations never are)."""
+    if rows <= 2:
+        return QBLOCK if torch.backends.cpu.get_cpu_capability() in ("AVX2", "AVX512") else None
+    return QBLOCK if group in (32, 64, 128) and block == 64 and _avx512_with("avx512_vnni") else None
+
+
+def quantize_activations(x: torch.Tensor, block: int = QBLOCK) -> torch.Tensor:
+    """The values the 8-bit paths multiply by: x [M, K] per `block` inputs rounded to d · int8, d = max|x| / 127."""
+    xb = x.float().view(x.shape[0], -1, block)
     amax = xb.abs().amax(-1, keepdim=True)
     inv = torch.where(amax > 0, torch.full_like(amax, 127.0).div(amax), 0)  # true division (127 / t: reciprocal)
     q = torch.round(xb * inv)  # as the kernel rounds: x · (127 / max), to even
