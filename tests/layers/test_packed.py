@@ -109,8 +109,8 @@ def test_kernels_read_both_layouts(block):
     for rows in (x[:1], x[:2], x):  # bf16 activations: the 8-bit path (1-2 rows, where it runs) reads both too
         xb = rows.bfloat16()
         y = torch.ops.tokenhaul_int4.gemv(xb, packed, sz, group, block).double()
-        per = int4_gemv.activation_block(len(rows), group, block)
-        ref = (int4_gemv.quantize_activations(xb, per) if per else xb).double() @ w.double().t()
+        eight = int4_gemv.eight_bit_activations(len(rows), group, block)
+        ref = (int4_gemv.quantize_activations(xb) if eight else xb).double() @ w.double().t()
         assert ((y - ref).abs() <= 2 ** -8 * ref.abs() + 1e-4 * (xb.double().abs() @ w.double().abs().t())).all()
 
 
@@ -164,12 +164,12 @@ def check_int4_gemv(n: int, k_groups: int, m: int, group: int, threads: int, see
     |error| <= 1e-4 * sum |x_i w_i| — fp32 rounding of per-group sums of codes, the low nibbles' sum taken as a
     difference of sums of bytes up to 255 (worst seen 1.3e-5); with bf16 activations and output, bf16 rounding
     (2^-8 relative) on top (bf16 activations of one or two rows are quantized to 8 bits per 16 inputs, summed by
-    VNNI or AVX2, of more rows with AVX-512 VNNI per weight group: exact against those values, and within half a
-    step per input of the bf16 ones; else more rows take the bf16 dot-product path on a CPU with AVX-512 BF16;
-    fp32 activations the AVX2 path). Each row's result is the
-    same whatever rows share the call (bf16: whatever rows of the same path) at one thread count: the thread
-    count moves where a block's groups are split between threads, and so the fp32 rounding of that block's sum
-    (rows compared at another thread count than the batch failed 1 in ~170 cases on a Zen 5 host)."""
+    VNNI or AVX2, and so are more rows with AVX-512 VNNI: exact against those values, and within half a step per
+    input of the bf16 ones; else more rows take the bf16 dot-product path on a CPU with AVX-512 BF16; fp32
+    activations the AVX2 path). Each row's result is the same whatever rows share the call (bf16: whatever rows
+    of the same path) at one thread count: the thread count moves where a block's groups are split between
+    threads, and so the fp32 rounding of that block's sum (rows compared at another thread count than the batch
+    failed 1 in ~170 cases on a Zen 5 host)."""
     from tokenhaul.layers import int4_gemv
 
     assert int4_gemv.available()
@@ -195,20 +195,19 @@ def check_int4_gemv(n: int, k_groups: int, m: int, group: int, threads: int, see
     terms = x.double().abs() @ deq.abs().t()
     assert ((y32.double() - x.double() @ deq.t()).abs() <= 1e-4 * terms).all()
     ref16 = x.bfloat16().double() @ deq.t()
-    block = int4_gemv.activation_block(m, group, lin.block)
-    if block:  # it multiplies the 8-bit x: to fp32 rounding of that product,
-        xq = int4_gemv.quantize_activations(x.bfloat16(), block).double()
+    if int4_gemv.eight_bit_activations(m, group, lin.block):  # the 8-bit x: to fp32 rounding of that product,
+        xq = int4_gemv.quantize_activations(x.bfloat16()).double()
         exact = xq @ deq.t()
         assert ((y16.double() - exact).abs() <= 2 ** -8 * exact.abs() + 1e-4 * terms).all()
         # and the rounding of x itself: each input off by at most half its block's step (max |x| / 254)
-        step = x.bfloat16().double().view(m, -1, block).abs().amax(-1, keepdim=True) / 254
-        slack = step.expand(m, k // block, block).reshape(m, k) @ deq.abs().t()
-        assert ((xq - x.bfloat16().double()).abs().view(m, -1, block) <= step * 1.0001).all()
+        step = x.bfloat16().double().view(m, -1, int4_gemv.QBLOCK).abs().amax(-1, keepdim=True) / 254
+        slack = step.expand(m, k // int4_gemv.QBLOCK, int4_gemv.QBLOCK).reshape(m, k) @ deq.abs().t()
+        assert ((xq - x.bfloat16().double()).abs().view(m, -1, int4_gemv.QBLOCK) <= step * 1.0001).all()
         assert ((y16.double() - ref16).abs() <= 2 ** -8 * exact.abs() + 1e-4 * terms + slack).all()
     else:
         assert ((y16.double() - ref16).abs() <= 2 ** -8 * ref16.abs() + 1e-4 * terms).all()
     assert torch.equal(torch.cat(rows), y32)
-    if int4_gemv.activation_block(1, group, lin.block) == int4_gemv.activation_block(m, group, lin.block):
+    if int4_gemv.eight_bit_activations(1, group, lin.block) == int4_gemv.eight_bit_activations(m, group, lin.block):
         assert torch.equal(torch.cat(rows16)[:, :n], y16)
 
 
@@ -220,7 +219,7 @@ def test_int4_gemv_many_rows_in_tiles_as_if_each_row_were_alone(group):
     rounding. Elsewhere the many-row path is the bf16 or fp32 one (test_int4_kernel_matches_float_reference)."""
     from tokenhaul.layers import int4_gemv
 
-    if int4_gemv.activation_block(3, group, block_n() or 0) is None:
+    if not int4_gemv.eight_bit_activations(3, group, block_n() or 0):
         pytest.skip("no AVX-512 VNNI here: 3 or more rows take the bf16 / fp32 path")
     g = torch.Generator().manual_seed(group)
     n, k = 320, group * 5
@@ -232,7 +231,7 @@ def test_int4_gemv_many_rows_in_tiles_as_if_each_row_were_alone(group):
     for m in (3, 8, 11, 16, 41):
         y = torch.ops.tokenhaul_int4.gemv(x[:m], lin.weight, lin.scales_zeros, group, lin.block)
         assert torch.equal(y, alone[:m]), m
-    exact = int4_gemv.quantize_activations(x, int4_gemv.QBLOCK).double() @ deq.t()
+    exact = int4_gemv.quantize_activations(x).double() @ deq.t()
     terms = x.double().abs() @ deq.abs().t()
     assert ((alone.double() - exact).abs() <= 2 ** -8 * exact.abs() + 1e-4 * terms).all()
 

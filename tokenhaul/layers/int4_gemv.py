@@ -50,19 +50,19 @@ def _avx512_bf16() -> bool:
     return _avx512_with("avx512_bf16")
 
 
-def activation_block(rows: int, group: int, block: int) -> int | None:
-    """Inputs per scale where int4_gemv.cpp quantizes bf16 activations of `rows` rows to 8 bits against weights in
-    `block`-row blocks: QBLOCK for one or two rows (AVX2 or AVX-512) and for more with AVX-512 VNNI, 64-row blocks
-    and groups of 32, 64 or 128 (the same operations per row: a row's result does not depend on the batch); else
-    None (fp32 activations never are)."""
+def eight_bit_activations(rows: int, group: int, block: int) -> bool:
+    """Whether int4_gemv.cpp quantizes bf16 activations of `rows` rows to 8 bits per QBLOCK inputs against weights
+    in `block`-row blocks: one or two rows with AVX2 or AVX-512; more with AVX-512 VNNI, 64-row blocks and groups
+    of 32, 64 or 128 (the same operations per row: a row's result does not depend on the batch). fp32 activations
+    never are."""
     if rows <= 2:
-        return QBLOCK if torch.backends.cpu.get_cpu_capability() in ("AVX2", "AVX512") else None
-    return QBLOCK if group in (32, 64, 128) and block == 64 and _avx512_with("avx512_vnni") else None
+        return torch.backends.cpu.get_cpu_capability() in ("AVX2", "AVX512")
+    return group in (32, 64, 128) and block == 64 and _avx512_with("avx512_vnni")
 
 
-def quantize_activations(x: torch.Tensor, block: int = QBLOCK) -> torch.Tensor:
-    """The values the 8-bit paths multiply by: x [M, K] per `block` inputs rounded to d · int8, d = max|x| / 127."""
-    xb = x.float().view(x.shape[0], -1, block)
+def quantize_activations(x: torch.Tensor) -> torch.Tensor:
+    """The values the 8-bit paths multiply by: x [M, K] per QBLOCK inputs rounded to d · int8, d = max|x| / 127."""
+    xb = x.float().view(x.shape[0], -1, QBLOCK)
     amax = xb.abs().amax(-1, keepdim=True)
     inv = torch.where(amax > 0, torch.full_like(amax, 127.0).div(amax), 0)  # true division (127 / t: reciprocal)
     q = torch.round(xb * inv)  # as the kernel rounds: x · (127 / max), to even
