@@ -62,8 +62,8 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     """q: [T, H, D]; k, v: [T, Hkv, D]; caches: [num_blocks, block_size, Hkv, D].
     Writes the step's K/V into their slots, then gathers whole blocks per sequence. Returns [T, H*D].
     Int8 caches (kv/int8.py) quantize on write; decodes read them with kv/decode_attention.py's kernel (no
-    float copy), prefill chunks dequantize the step's blocks on read. Bf16 caches' decodes are read by the same
-    kernel (eager and compiled); fp32 ones (the exact path) and --deterministic go through SDPA."""
+    float copy), prefill chunks dequantize the step's blocks on read. Inside the compiled decode graph bf16
+    caches are read by the same kernel."""
     Hkv = k_cache.shape[2]
     _write(k_cache, meta.slot_mapping, k)
     _write(v_cache, meta.slot_mapping, v)
@@ -74,13 +74,12 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
         fold = g.q_len == 1 and not meta.per_query
         mask = g.mask_local if sliding else g.mask
         int8 = isinstance(k_cache, Int8Blocks)
-        kernel = (int8 or k_cache.dtype == torch.bfloat16) and (meta.traced or decode_attention.available())
+        kernel = (int8 or k_cache.dtype == torch.bfloat16) if meta.traced else int8 and decode_attention.available()
         if fold and kernel:
-            # the C++ kernel reads the blocks through the table (int8: scales applied inside): no float copy, and
-            # each sequence's chunks come from its own mask row, so a row's numbers do not depend on its batch.
-            # Int8 and bf16 decodes; inside the compiled graph (built before tracing: engine/compiled_decode.py)
-            # up to 2.1x inductor's fused reductions (bench/compiled_attention.py); in eager batched steps 1.10-1.36x
-            # SDPA over gathered copies (bench/RESULTS.md "Many-row int4 GEMV: the 8-bit VNNI path in tiles of rows")
+            # the C++ kernel reads the blocks through the table (int8: scales applied inside): no float copy. Int8
+            # decodes always; bf16 ones inside the compiled graph (built before tracing: engine/compiled_decode.py),
+            # up to 2.1x inductor's fused reductions (Qwen2.5-0.5B's shapes at 4 k keys), a tie on SmolLM2's
+            # (bench/compiled_attention.py)
             o = decode_attention.decode(qg.view(g.batch, Hkv, H // Hkv, D), k_cache, v_cache, g.block_table, mask,
                                         scale).reshape(g.batch, H * D).to(q.dtype)
         elif fold and meta.traced:
