@@ -674,7 +674,7 @@ at::Tensor gemv(const at::Tensor& x, const at::Tensor& weight, const at::Tensor&
   } else {
     std::memcpy(xf, xc.data_ptr<float>(), m * k * sizeof(float));
   }
-  const bool tiles = bf16 && !eight_bit_activations(m) && eight_bit_tiles(m, group, block);
+  const bool tiles = bf16 && eight_bit_tiles(m, group, block);
   const bool eight_bit = bf16 && (eight_bit_activations(m) || tiles);
   if (eight_bit) {  // quantized per QBLOCK inputs; xs: the quantized x's group sums
     TORCH_CHECK(group <= 128, "the 8-bit path takes groups of up to 128 inputs");

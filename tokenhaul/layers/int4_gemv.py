@@ -45,11 +45,6 @@ def _avx512_with(*features: str) -> bool:
     return {*features, "avx512vbmi", "avx512bw", "avx512vl"} <= set(flags.split())
 
 
-def _avx512_bf16() -> bool:
-    """Whether this CPU runs the bf16 dot-product path."""
-    return _avx512_with("avx512_bf16")
-
-
 def eight_bit_activations(rows: int, group: int, block: int) -> bool:
     """Whether int4_gemv.cpp quantizes bf16 activations of `rows` rows to 8 bits per QBLOCK inputs against weights
     in `block`-row blocks: one or two rows with AVX2 or AVX-512; more with AVX-512 VNNI, 64-row blocks and groups
@@ -77,7 +72,7 @@ def rows() -> int:
     layer of SmolLM2 / Qwen2.5-0.5B) and dequantize + fp32 GEMM up to ~350 rows (1.5-1.6x at 256, 0.97x at 384,
     0.84-0.90x at 512).
     On AVX-512 hosts without BF16 (torch's AVX-512 int4pack) it was measured faster only at 1 row."""
-    if _avx512_bf16():
+    if _avx512_with("avx512_bf16"):
         return 112
     return 320 if torch.backends.cpu.get_cpu_capability() == "AVX2" else 1
 
