@@ -44,7 +44,8 @@ class LLM:
             self._sparsify()
         self.core = EngineCore(self.config, self.model, draft_model=self.draft_model, draft_prefill_model=draft_dense)
         self.costs = ModelCosts.from_model(
-            self.model, KVCache.bytes_per_value(self.config.kv_torch_dtype, self.model.config.head_dim))
+            self.model, KVCache.bytes_per_value(self.config.kv_torch_dtype, self.model.config.head_dim),
+            self.config.deterministic)
         self._ids = itertools.count()
 
     def _sparsify(self) -> None:

@@ -29,7 +29,8 @@ def test_quantize_error_at_most_half_a_step(n, d, mag, seed):
     q, s = quantize(x)
     assert q.dtype == torch.int8 and s.shape == (n, 3)
     err = (dequantize(q, s) - x).abs()
-    assert torch.all(err <= s.unsqueeze(-1) * 0.5 * (1 + 1e-5) + 1e-30)
+    # half a step, plus fp32 rounding of x / s and of q · s: a few units in the last place of |x| itself
+    assert torch.all(err <= s.unsqueeze(-1) * 0.5 * (1 + 1e-5) + x.abs() * 2.0**-21 + 1e-30)
     assert torch.equal(dequantize(q, s)[0, 0], torch.zeros(d))
 
 

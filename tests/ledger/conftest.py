@@ -21,7 +21,7 @@ def ledger_core():
         cfg = EngineConfig(model="tiny", dtype=dtype, num_kv_blocks=num_kv_blocks, block_size=block_size, **kw)
         model = tiny_model(arch, cfg.torch_dtype)
         core = EngineCore(cfg, model)
-        core.observer = Ledger(ModelCosts.from_model(model, cfg.torch_dtype.itemsize))
+        core.observer = Ledger(ModelCosts.from_model(model, cfg.torch_dtype.itemsize, cfg.deterministic))
         return core, core.observer
 
     threads = torch.get_num_threads()

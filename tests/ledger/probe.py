@@ -33,7 +33,9 @@ class TrafficCounter(TorchDispatchMode):
         out = func(*args, **(kwargs or {}))
         name = func.overloadpacket.__name__
         first = args[0] if args and isinstance(args[0], torch.Tensor) else None
-        if name in ("index", "index_select") and first is not None and _ptr(first) in (self.kv | {self.embed}):
+        if func.namespace == "tokenhaul_kv":  # decode attention reading the cache in place through the table
+            self._decode_in_place(args, out)
+        elif name in ("index", "index_select") and first is not None and _ptr(first) in (self.kv | {self.embed}):
             if _ptr(first) == self.embed:
                 self.weight_bytes += out.nbytes
             else:
@@ -60,6 +62,23 @@ class TrafficCounter(TorchDispatchMode):
             B, H, Q, D = args[0].shape
             self.flops += 4 * B * H * Q * args[1].shape[-2] * D
         return out
+
+    def _decode_in_place(self, args, out) -> None:
+        """decode_bf16(q, kd, vd, table, mask, ...) / decode_int8(q, kd, ks, vd, vs, table, mask, ...): each row
+        reads the blocks of its table from its first visible key's to its last's (all of them with no mask)."""
+        tensors = [a for a in args if isinstance(a, torch.Tensor)]
+        q, table, mask, caches = tensors[0], tensors[-2], tensors[-1], tensors[1:-2]
+        B, nb = table.shape
+        bs = caches[0].shape[1]
+        slot_bytes = sum(t[0, 0].nbytes for t in caches)  # K and V values (and int8 scales) of one slot
+        for b in range(B):
+            if mask.numel():
+                blocks = mask.view(B, nb, bs)[b].any(-1).nonzero().flatten()
+                read = int(blocks[-1] - blocks[0] + 1) if len(blocks) else 0
+            else:
+                read = nb
+            self.kv_read += read * bs * slot_bytes
+            self.flops += 4 * q.shape[1] * q.shape[2] * q.shape[3] * read * bs
 
 
 def model_input_bytes(inp) -> int:

@@ -16,7 +16,9 @@ SCENARIOS = {
     "unequal-batch": dict(lengths=[5, 9, 14]),  # padded decode group
     "chunked-mixed": dict(lengths=[20, 11, 3], max_num_batched_tokens=8),  # decodes + prefill chunks together
     "gemma-window": dict(arch="gemma3", lengths=[9, 4]),  # sliding-window masks past position 6
-    "bf16-kv": dict(dtype="bf16", lengths=[7, 10]),  # gather converts bf16 K/V to fp32
+    "bf16-kv": dict(dtype="bf16", lengths=[7, 10]),  # decodes read their blocks in place (the C++ kernel)
+    "bf16-kv-deterministic": dict(dtype="bf16", lengths=[7, 10], deterministic=True),  # gather converts to fp32
+    "gemma-window-bf16": dict(arch="gemma3", dtype="bf16", lengths=[9, 4]),  # in place: local layers' window only
 }
 
 

@@ -56,14 +56,24 @@ def _read(cache: torch.Tensor | Int8Blocks, g: AttnGroup, dtype: torch.dtype) ->
     return cache[g.block_start:g.block_start + g.block_table.shape[1]]  # consecutive blocks: a view, no copy
 
 
+def _kernel_dtype(kv_dtype: torch.dtype) -> bool:
+    return kv_dtype in (torch.int8, torch.bfloat16)
+
+
+def decodes_in_place(kv_dtype: torch.dtype, device: str = "cpu", deterministic: bool = False) -> bool:
+    """Whether eager decodes read their K/V blocks in place through kv/decode_attention.py's kernel (int8 and bf16
+    caches on the CPU, unless --deterministic), not SDPA over a gathered copy: what the ledger counts."""
+    return _kernel_dtype(kv_dtype) and device == "cpu" and not deterministic and decode_attention.available()
+
+
 def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                     k_cache: torch.Tensor | Int8Blocks, v_cache: torch.Tensor | Int8Blocks,
                     meta: AttentionMetadata, scale: float, sliding: bool) -> torch.Tensor:
     """q: [T, H, D]; k, v: [T, Hkv, D]; caches: [num_blocks, block_size, Hkv, D].
     Writes the step's K/V into their slots, then gathers whole blocks per sequence. Returns [T, H*D].
     Int8 caches (kv/int8.py) quantize on write; decodes read them with kv/decode_attention.py's kernel (no
-    float copy), prefill chunks dequantize the step's blocks on read. Inside the compiled decode graph bf16
-    caches are read by the same kernel."""
+    float copy), prefill chunks dequantize the step's blocks on read. Bf16 caches' decodes are read by the same
+    kernel (eager and compiled); fp32 ones (the exact path) and --deterministic go through SDPA."""
     Hkv = k_cache.shape[2]
     _write(k_cache, meta.slot_mapping, k)
     _write(v_cache, meta.slot_mapping, v)
@@ -73,13 +83,14 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
         qg = q if g.token_index is None else q[g.token_index]
         fold = g.q_len == 1 and not meta.per_query
         mask = g.mask_local if sliding else g.mask
-        int8 = isinstance(k_cache, Int8Blocks)
-        kernel = (int8 or k_cache.dtype == torch.bfloat16) if meta.traced else int8 and decode_attention.available()
+        kernel = _kernel_dtype(torch.int8 if isinstance(k_cache, Int8Blocks) else k_cache.dtype) and q.is_cpu and (
+            meta.traced or decode_attention.available())
         if fold and kernel:
-            # the C++ kernel reads the blocks through the table (int8: scales applied inside): no float copy. Int8
-            # decodes always; bf16 ones inside the compiled graph (built before tracing: engine/compiled_decode.py),
-            # up to 2.1x inductor's fused reductions (Qwen2.5-0.5B's shapes at 4 k keys), a tie on SmolLM2's
-            # (bench/compiled_attention.py)
+            # the C++ kernel reads the blocks through the table (int8: scales applied inside): no float copy, and
+            # each sequence's chunks come from its own mask row, so a row's numbers do not depend on its batch.
+            # Int8 and bf16 decodes; inside the compiled graph (built before tracing: engine/compiled_decode.py)
+            # up to 2.1x inductor's fused reductions (bench/compiled_attention.py); in eager batched steps 1.10-1.36x
+            # SDPA over gathered copies (bench/RESULTS.md "Many-row int4 GEMV: the 8-bit VNNI path in tiles of rows")
             o = decode_attention.decode(qg.view(g.batch, Hkv, H // Hkv, D), k_cache, v_cache, g.block_table, mask,
                                         scale).reshape(g.batch, H * D).to(q.dtype)
         elif fold and meta.traced:

@@ -3,19 +3,28 @@
 Every field of `StepCosts` is traffic (bytes moved), not a tensor size. The model is the code as
 written today (layers/attention.py, engine/runner.py): paged attention gathers each group's K/V, in
 whole blocks and padded to the group's longest block table, into a contiguous copy per layer, then
-attention reads that copy; the runner builds token ids, positions, block tables and masks on the
-host and moves them to the device once.
+attention reads that copy — except decodes on int8 and bf16 caches on the CPU, which read each
+sequence's own blocks in place (kv/decode_attention.py); the runner builds token ids, positions,
+block tables and masks on the host and moves them to the device once.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field, fields
 
+import torch
+
 from tokenhaul.engine.attention_calls import attention_calls
+from tokenhaul.layers.attention import decodes_in_place
 from tokenhaul.models.config import ModelConfig
 
 ID_BYTES = 8  # torch.long: token ids, positions, slots, row indices
 MASK_BYTES = 1  # torch.bool
+
+
+def _kv_dtype(kv_itemsize: float) -> torch.dtype:
+    """The cache dtype of `kv_itemsize` stored bytes a value (int8's include its scales' share)."""
+    return torch.int8 if kv_itemsize < 2 else torch.bfloat16 if kv_itemsize == 2 else torch.float32
 
 
 @dataclass(frozen=True)
@@ -34,7 +43,10 @@ class ModelCosts:
     kv_itemsize: float = 4  # stored bytes per K/V value (int8: 1 + its share of the per-token-per-head scale)
     compute_itemsize: int = 4  # attention runs in fp32: the gathered K/V is converted to it
     device: str = "cpu"
-    kv_quantized: bool = False  # int8 K/V: prefill dequantizes a copy (kv/int8.py); decodes read int8 in place
+    kv_quantized: bool = False  # int8 K/V: prefill chunks dequantize a copy (kv/int8.py)
+    # decodes read each sequence's own blocks in place (kv/decode_attention.py: int8 and bf16 caches on the CPU;
+    # layers/attention.decodes_in_place), not a gathered copy padded to the group's longest table
+    decodes_in_place: bool = False
     # activation sparsity (layers/linear_sparse.py): the share of inputs zeroed, and per "most rows the gathered
     # kernel runs" the bytes of the sparse projections' input-channel rows (inside layer_weight_bytes)
     sparsity: float = 0.0
@@ -53,7 +65,9 @@ class ModelCosts:
         return any(fmt != "dense" for fmt, _ in self.weight_formats)
 
     @classmethod
-    def from_model(cls, model, kv_itemsize: float) -> ModelCosts:
+    def from_model(cls, model, kv_itemsize: float, deterministic: bool = False) -> ModelCosts:
+        """Cost a loaded model whose K/V cache stores `kv_itemsize` bytes a value (4 fp32, 2 bf16, under 2 int8
+        with its scales); `deterministic`: --deterministic (every decode through SDPA)."""
         c = model.config
         layer_bytes = layer_params = 0
         norm_bytes = model.norm.weight.nbytes
@@ -80,8 +94,9 @@ class ModelCosts:
                    norm_bytes, round(2 * c.num_layers * c.num_kv_heads * c.head_dim * kv_itemsize),
                    layer_params, model.lm_head.in_features * model.lm_head.out_features,
                    kv_itemsize=kv_itemsize, device=embed.device.type, weight_formats=tuple(formats.items()),
-                   kv_quantized=kv_itemsize < 2, sparsity=sparsity, sparse_rows=tuple(sorted(sparse.items())),
-                   lm_head_max_rows=head_rows)
+                   kv_quantized=kv_itemsize < 2,
+                   decodes_in_place=decodes_in_place(_kv_dtype(kv_itemsize), embed.device.type, deterministic),
+                   sparsity=sparsity, sparse_rows=tuple(sorted(sparse.items())), lm_head_max_rows=head_rows)
 
     @classmethod
     def from_config(cls, c: ModelConfig, weight_bits: float = 16.0, kv_itemsize: float = 2.0,
@@ -103,7 +118,8 @@ class ModelCosts:
         return cls(c, round(layer_params * weight_bits / 8) + bias, round(h * c.vocab_size * head_bits / 8),
                    h * embed_itemsize, L * norm + h * 4, round(2 * L * c.kv_size * kv_itemsize), layer_params,
                    h * c.vocab_size, activation_itemsize=activation_itemsize,
-                   kv_itemsize=kv_itemsize, compute_itemsize=compute_itemsize, device=device)
+                   kv_itemsize=kv_itemsize, compute_itemsize=compute_itemsize, device=device,
+                   kv_quantized=kv_itemsize < 2, decodes_in_place=decodes_in_place(_kv_dtype(kv_itemsize), device))
 
     @property
     def weight_bytes_per_step(self) -> int:
@@ -177,6 +193,13 @@ TIERS = (  # (StepCosts field, what moves where) in journey order, for reports
 )
 
 
+def _visible_slots(end: int, block_size: int, window: int | None) -> int:
+    """Slots of the blocks a decode at position end - 1 reads in place: from the block of its first visible key
+    (the window's, on a sliding layer: keys > end - 1 - window) to its own."""
+    first = max(0, end - window) // block_size if window else 0
+    return ((end - 1) // block_size - first + 1) * block_size
+
+
 def step_costs(mc: ModelCosts, chunks: list[tuple[int, int]], num_sampled: int,
                kv_copy_tokens: int = 0, block_size: int = 1, view_slots: int = 0,
                attn_groups: list[tuple[int, list[int]]] | None = None) -> StepCosts:
@@ -196,20 +219,28 @@ def step_costs(mc: ModelCosts, chunks: list[tuple[int, int]], num_sampled: int,
     T = sum(n * len(ends) for n, ends in attn_groups)
     if T == 0:
         return StepCosts()
-    gathered = 0  # slots gathered per layer for K (and as many for V)
-    direct = 0  # int8 decode slots: kv/decode_attention.py reads them in place, dequantizing in registers
+    gathered = 0  # slots gathered per layer for K (and as many for V), or read in place
+    direct = 0  # decode slots kv/decode_attention.py reads in place (each sequence's own visible blocks)
     attn = 0  # Σ queries × keys computed
     meta = mask_alias = pad = 0
+    local = sum(map(c.is_sliding, range(c.num_layers))) / c.num_layers  # share of sliding-window layers
     for n, ends in attn_groups:
         B = len(ends)
         nb = max(-(-e // block_size) for e in ends)
         L = nb * block_size
-        gathered += B * L
-        direct += B * L if n == 1 and mc.kv_quantized else 0
-        attn += B * n * L
+        if n == 1 and mc.decodes_in_place:  # the blocks holding keys visible to the query at position e - 1
+            read = sum((1 - local) * _visible_slots(e, block_size, None) + local * _visible_slots(
+                e, block_size, window) for e in ends)
+            direct += read
+            gathered += read
+            attn += read
+            pad += sum(-(-e // block_size) * block_size - e for e in ends)
+        else:
+            gathered += B * L
+            attn += B * n * L
+            if n == 1 or B > 1:
+                pad += B * L - sum(ends)  # keys past a sequence's end, computed and masked
         meta += B * nb * ID_BYTES  # block table, padded to the group's longest
-        if n == 1 or B > 1:
-            pad += B * L - sum(ends)  # keys past a sequence's end, computed and masked
         local = window is not None and max(ends) - 1 >= window
         mask = B * n * L * MASK_BYTES
         if n > 1 or any(e != L for e in ends):  # some key is past its query: a causal mask
@@ -223,10 +254,11 @@ def step_costs(mc: ModelCosts, chunks: list[tuple[int, int]], num_sampled: int,
     meta += 3 * T * ID_BYTES + num_sampled * ID_BYTES  # input ids, positions, slot mapping; sample rows
 
     kv_tok = mc.kv_bytes_per_token
-    kv_read = gathered * kv_tok
+    kv_read = round(gathered * kv_tok)
     ratio = mc.compute_itemsize / mc.kv_itemsize
-    if mc.kv_quantized:  # prefill chunks dequantize a copy, viewed or gathered; decodes copy nothing
-        gathered, view_slots = gathered - direct, 0
+    gathered = round(gathered - direct)  # decodes read in place copy nothing
+    if mc.kv_quantized:  # prefill chunks dequantize a copy, viewed or gathered
+        view_slots = 0
     copied = (gathered - view_slots) * kv_tok
     gather = copied  # the contiguous copy, written at the cache dtype...
     if mc.kv_itemsize != mc.compute_itemsize:  # ...read back and converted to the compute dtype...
@@ -257,7 +289,7 @@ def step_costs(mc: ModelCosts, chunks: list[tuple[int, int]], num_sampled: int,
         h2d_bytes=meta + mask_alias if on_device else 0,
         d2h_bytes=num_sampled * ID_BYTES if on_device else 0,
         flops=2 * T * mc.layer_params + 2 * num_sampled * mc.lm_head_params
-        + 4 * attn * c.num_heads * c.head_dim * c.num_layers,  # linears; QK^T and PV
+        + round(4 * attn * c.num_heads * c.head_dim * c.num_layers),  # linears; QK^T and PV
     )
 
 

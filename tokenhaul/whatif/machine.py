@@ -82,15 +82,16 @@ def linear_rates(fmt: str, read_bw: float, device: str = "cpu", sizes: Sizes = S
 
 
 def attention_rates(read_bw: float, device: str = "cpu", sizes: Sizes = Sizes()) -> tuple[float, float]:
-    """(gathered-K/V bytes/s, attention FLOP/s): a padded decode group and a prefill group through
-    layers.attention.paged_attention with bf16 caches, bytes counted by ledger/costs.step_costs."""
+    """(gathered-K/V bytes/s, attention FLOP/s): a padded decode group over fp32 caches (bf16 and int8 decodes
+    read their blocks in place, no copy to time) and a prefill group over bf16 ones, through
+    layers.attention.paged_attention, bytes counted by ledger/costs.step_costs."""
     from tokenhaul.layers.attention import AttentionMetadata, AttnGroup, paged_attention
     from tokenhaul.ledger.costs import ModelCosts, step_costs
     from tokenhaul.models.config import ModelConfig
 
     H, Hkv, D, bs, B, L, Q = 9, 3, 64, 16, 8, sizes.kv_len, sizes.prompt
     cfg = ModelConfig("llama", H * D, 1, H, Hkv, D, 1536, 1000, 8192, 1e-5, 1e4, True)
-    mc = ModelCosts.from_config(cfg, 16, 2)
+    mc, mc32 = ModelCosts.from_config(cfg, 16, 2), ModelCosts.from_config(cfg, 16, 4)
     nb = B * L // bs + 8
 
     def rand(*shape: int) -> torch.Tensor:
@@ -101,8 +102,10 @@ def attention_rates(read_bw: float, device: str = "cpu", sizes: Sizes = Sizes())
     slots = table[:, -1] * bs + bs - 1
     q, k, v = rand(B, H, D), rand(B, Hkv, D), rand(B, Hkv, D)
     meta = AttentionMetadata(slots, slots, [AttnGroup(B, 1, None, table, None, None)], B)
-    t_dec = clock.best_seconds(lambda: paged_attention(q, k, v, kc, vc, meta, D**-0.5, False), device, sizes.repeats)
-    sc = step_costs(mc, [(L - 1, 1)] * B, 0, block_size=bs)
+    kc32, vc32 = kc.float(), vc.float()
+    t_dec = clock.best_seconds(lambda: paged_attention(q, k, v, kc32, vc32, meta, D**-0.5, False), device,
+                               sizes.repeats)
+    sc = step_costs(mc32, [(L - 1, 1)] * B, 0, block_size=bs)
     gather_bw = sc.kv_gather_bytes / max(t_dec - (sc.kv_read_bytes + sc.kv_write_bytes) / read_bw, t_dec / 4)
     ptable = torch.arange(Q // bs, device=device)[None]
     pos = torch.arange(Q, device=device)
