@@ -4,9 +4,11 @@ after churn), contexts drawn uniformly from --min-ctx..--max-ctx:
 
   main     the code before issue 14's fix: one call padded to the longest context, blocks gathered
            by advanced indexing, a one-query GQA SDPA call
-  padded   today's kernel (index_select gather, query heads folded onto their KV head), one call
-  per seq  today's kernel, one call per sequence
-  split    today's kernel, calls split by KV length (engine/attention_calls.py, as the runner does)
+  padded   layers/attention.paged_attention, one call (bf16 decodes: the C++ kernel reading the blocks in
+           place, kv/decode_attention.py; before it, an index_select gather and query heads folded onto their
+           KV head)
+  per seq  paged_attention, one call per sequence
+  split    paged_attention, calls split by KV length (engine/attention_calls.py, as the runner does)
 
 Strategies interleaved, median of --repeats, ms per step; ratios against `split`.
 
