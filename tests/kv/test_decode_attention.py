@@ -118,3 +118,25 @@ def test_compiled_graph_can_call_the_kernel():
 
     compiled = torch.compile(step, backend="eager", fullgraph=True)
     assert torch.equal(compiled(q), step(q))
+
+
+@pytest.mark.parametrize("bs", [4, 12])
+def test_blocks_of_a_size_the_8_wide_loops_do_not_divide(bs):
+    """Block sizes of 4 and 12 keys (the scalar tails of the kernel's 8-wide loops), int8 and bf16, causal masks
+    over unequal lengths: equal to SDPA over the same values in fp32."""
+    g = torch.Generator().manual_seed(bs)
+    hkv, groups, d, nb, lengths = 2, 3, 64, 30, [1, 5, 45, 119]
+    B = len(lengths)
+    table = (torch.randperm(B * nb, generator=g) + 1).view(B, nb)
+    q = torch.randn(B, hkv, groups, d, generator=g)
+    mask = (torch.arange(nb * bs)[None, :] < torch.tensor(lengths)[:, None]).view(B, 1, 1, -1)
+    kd, ks, vd, vs = _cache(B * nb + 1, bs, hkv, d, g)
+    out = decode_attention.decode_int8(q, kd, ks, vd, vs, table, mask, d ** -0.5)
+    ref = _reference(q, kd, ks, vd, vs, table, mask, d ** -0.5)
+    assert float((out - ref).abs().max()) < 1e-5 * float(vd.abs().max() * vs.max())
+    k, v = (dequantize(kd, ks) * 0.1).bfloat16(), dequantize(vd, vs).bfloat16()
+    out = decode_attention.decode_bf16(q, k, v, table, mask, d ** -0.5)
+    kf = k[table].float().reshape(B, -1, hkv, d).transpose(1, 2)
+    vf = v[table].float().reshape(B, -1, hkv, d).transpose(1, 2)
+    ref = F.scaled_dot_product_attention(q, kf, vf, attn_mask=mask, scale=d ** -0.5)
+    assert float((out - ref).abs().max()) < 1e-5 * float(v.float().abs().max())

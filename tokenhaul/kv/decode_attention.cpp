@@ -115,6 +115,54 @@ static inline void axpys(const float* w, const float* vf, int64_t n, int64_t D, 
     for (int64_t d = d0; d < D; ++d) acc[d] += w[t] * vf[t * ld + d];
 }
 
+// s[t] = s[t] · f[t] + add[t] (add: 0 for a visible key, -inf for a masked one); returns max_t s[t]
+static inline float scale_mask_max(float* s, const float* f, const float* add, int64_t n) {
+  float m = -std::numeric_limits<float>::infinity();
+  int64_t t = 0;
+#ifdef __AVX2__
+  __m256 mv = _mm256_set1_ps(m);
+  for (; t + 8 <= n; t += 8) {
+    const __m256 v = _mm256_add_ps(_mm256_mul_ps(_mm256_loadu_ps(s + t), _mm256_loadu_ps(f + t)),
+                                   _mm256_loadu_ps(add + t));
+    _mm256_storeu_ps(s + t, v);
+    mv = _mm256_max_ps(mv, v);
+  }
+  alignas(32) float lanes[8];
+  _mm256_store_ps(lanes, mv);
+  for (float v : lanes) m = std::max(m, v);
+#endif
+  for (; t < n; ++t) {
+    s[t] = s[t] * f[t] + add[t];
+    m = std::max(m, s[t]);
+  }
+  return m;
+}
+
+// s[t] · keep[t] (1 visible, 0 masked: a masked key weighs exactly nothing, whatever exp8's clamp gave): returns
+// their sum; then s[t] · vs[t] where vs is given (int8 V's per-token scales)
+static inline float keep_sum_scale(float* s, const float* keep, const float* vs, int64_t n) {
+  float total = 0.f;
+  int64_t t = 0;
+#ifdef __AVX2__
+  __m256 acc = _mm256_setzero_ps();
+  for (; t + 8 <= n; t += 8) {
+    __m256 v = _mm256_mul_ps(_mm256_loadu_ps(s + t), _mm256_loadu_ps(keep + t));
+    acc = _mm256_add_ps(acc, v);
+    if (vs) v = _mm256_mul_ps(v, _mm256_loadu_ps(vs + t));
+    _mm256_storeu_ps(s + t, v);
+  }
+  alignas(32) float lanes[8];
+  _mm256_store_ps(lanes, acc);
+  for (float v : lanes) total += v;
+#endif
+  for (; t < n; ++t) {
+    s[t] *= keep[t];
+    total += s[t];
+    if (vs) s[t] *= vs[t];
+  }
+  return total;
+}
+
 static inline void exps(float* s, int64_t n, float m) {
   int64_t t = 0;
 #ifdef __AVX2__
@@ -190,6 +238,9 @@ at::Tensor decode(const at::Tensor& q, const at::Tensor& kd, const E* K, const f
   };
   at::parallel_for(0, task0[B], 1, [&](int64_t begin, int64_t end) {
     std::vector<float> s(G * bs), kf(bs * row), vf(bs * row);
+    // per block: each key's mask as an addend (0 / -inf) and a factor (1 / 0); per head: the scores' factor
+    // (scale, times int8 K's per-token scale) and int8 V's per-token scale
+    std::vector<float> add(bs), keep(bs), f(bs), vsh(bs);
     // The first block of each of this thread's tasks, asked for at once: the loop below fetches a task's next
     // block while it computes one, so a task's first block was read at the full latency of the pool's memory.
     for (int64_t task = begin; task < end; ++task) {
@@ -213,29 +264,30 @@ at::Tensor decode(const at::Tensor& q, const at::Tensor& kd, const E* K, const f
         if (j + 1 < nb) fetch(T[b * nb + j + 1], 0);  // the next block is anywhere in the pool
         to_float(K + blk * bs * row, kf.data(), bs * row);  // the whole block, every head: contiguous reads
         to_float(V + blk * bs * row, vf.data(), bs * row);
+        for (int64_t t = 0; t < bs; ++t) {
+          const bool visible = !mrow || mrow[t];
+          add[t] = visible ? 0.f : ninf;
+          keep[t] = visible ? 1.f : 0.f;
+        }
         for (int64_t h = 0; h < H; ++h) {
           float* mx = part.data() + ((task0[b] * H) + h * ch.count + c) * stride;
           float* sm = mx + G;
           float* acc = sm + G;
           const float* qb = Q + (b * H + h) * G * D;
           const int64_t base = blk * bs * H + h;  // slot (blk, t, h) = base + t * H: the scales' index
+          for (int64_t t = 0; t < bs; ++t) {
+            f[t] = KS ? KS[base + t * H] * sc : sc;
+            if (VS) vsh[t] = VS[base + t * H];
+          }
           for (int64_t g = 0; g < G; ++g) {
             float* sg = s.data() + g * bs;
             dots(qb + g * D, kf.data() + h * D, bs, D, row, sg);
-            float bmax = ninf;
-            for (int64_t t = 0; t < bs; ++t) {
-              sg[t] = (mrow && !mrow[t]) ? ninf : KS ? sg[t] * KS[base + t * H] * sc : sg[t] * sc;
-              bmax = std::max(bmax, sg[t]);
-            }
+            const float bmax = scale_mask_max(sg, f.data(), add.data(), bs);
             const float mnew = std::max(mx[g], bmax);
-            const float corr = std::exp(mx[g] - mnew);  // exp(-inf) = 0 on the first visible block
+            // exp(-inf) = 0 on the first visible block; the max mostly stays, and exp(0) is 1 exactly
+            const float corr = mnew == mx[g] ? 1.f : std::exp(mx[g] - mnew);
             exps(sg, bs, mnew);
-            float bsum = 0.f;
-            for (int64_t t = 0; t < bs; ++t) {
-              if (mrow && !mrow[t]) sg[t] = 0.f;  // exp8 clamps: a masked key must weigh exactly nothing
-              bsum += sg[t];
-              if (VS) sg[t] *= VS[base + t * H];
-            }
+            const float bsum = keep_sum_scale(sg, keep.data(), VS ? vsh.data() : nullptr, bs);
             float* ag = acc + g * D;
             if (corr != 1.f)
               for (int64_t d = 0; d < D; ++d) ag[d] *= corr;
