@@ -4,6 +4,7 @@ written, FLOPs) and the tensors the runner hands to the model (metadata), on tin
 from __future__ import annotations
 
 import pytest
+import torch
 from probe import TrafficCounter, model_input_bytes
 
 from tokenhaul.ledger.costs import ModelCosts, StepCosts, step_costs
@@ -92,3 +93,17 @@ def test_accumulate():
     a.add(b)
     assert a.as_dict()["weight_bytes"] == 7 and a.kv_read_bytes == 2 and a.flops == 5
     assert a.dram_bytes == 9 and a.total_bytes == 9
+
+
+def test_a_step_costs_its_attention_groups_each_as_alone():
+    """Gemma3 (sliding-window layers) over bf16 K/V: a step of a prefill chunk and decodes past the window costs
+    the sum of its groups costed alone, whichever group comes first."""
+    from tiny_models import tiny_model
+
+    mc = ModelCosts.from_model(tiny_model("gemma3", torch.bfloat16), 2)
+    groups = [(5, [20]), (1, [30, 12, 9])]
+    whole = [step_costs(mc, [], 0, block_size=4, attn_groups=gs) for gs in (groups, groups[::-1])]
+    parts = [step_costs(mc, [], 0, block_size=4, attn_groups=[g]) for g in groups]
+    for w in whole:
+        assert w.kv_read_bytes == sum(p.kv_read_bytes for p in parts)
+        assert w.kv_gather_bytes == sum(p.kv_gather_bytes for p in parts)

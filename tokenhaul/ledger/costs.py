@@ -223,13 +223,13 @@ def step_costs(mc: ModelCosts, chunks: list[tuple[int, int]], num_sampled: int,
     direct = 0  # decode slots kv/decode_attention.py reads in place (each sequence's own visible blocks)
     attn = 0  # Σ queries × keys computed
     meta = mask_alias = pad = 0
-    local = sum(map(c.is_sliding, range(c.num_layers))) / c.num_layers  # share of sliding-window layers
+    sliding = sum(map(c.is_sliding, range(c.num_layers))) / c.num_layers  # share of sliding-window layers
     for n, ends in attn_groups:
         B = len(ends)
         nb = max(-(-e // block_size) for e in ends)
         L = nb * block_size
         if n == 1 and mc.decodes_in_place:  # the blocks holding keys visible to the query at position e - 1
-            read = sum((1 - local) * _visible_slots(e, block_size, None) + local * _visible_slots(
+            read = sum((1 - sliding) * _visible_slots(e, block_size, None) + sliding * _visible_slots(
                 e, block_size, window) for e in ends)
             direct += read
             gathered += read
