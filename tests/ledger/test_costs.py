@@ -6,6 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 from probe import TrafficCounter, model_input_bytes
+from tiny_models import tiny_model
 
 from tokenhaul.ledger.costs import ModelCosts, StepCosts, step_costs
 from tokenhaul.sampling_params import SamplingParams
@@ -98,8 +99,6 @@ def test_accumulate():
 def test_a_step_costs_its_attention_groups_each_as_alone():
     """Gemma3 (sliding-window layers) over bf16 K/V: a step of a prefill chunk and decodes past the window costs
     the sum of its groups costed alone, whichever group comes first."""
-    from tiny_models import tiny_model
-
     mc = ModelCosts.from_model(tiny_model("gemma3", torch.bfloat16), 2)
     groups = [(5, [20]), (1, [30, 12, 9])]
     whole = [step_costs(mc, [], 0, block_size=4, attn_groups=gs) for gs in (groups, groups[::-1])]

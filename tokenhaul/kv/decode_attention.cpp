@@ -240,7 +240,7 @@ at::Tensor decode(const at::Tensor& q, const at::Tensor& kd, const E* K, const f
     std::vector<float> s(G * bs), kf(bs * row), vf(bs * row);
     // per block: each key's mask as an addend (0 / -inf) and a factor (1 / 0); per head: the scores' factor
     // (scale, times int8 K's per-token scale) and int8 V's per-token scale
-    std::vector<float> add(bs), keep(bs), f(bs), vsh(bs);
+    std::vector<float> add(bs), keep(bs), f(bs, sc), vsh(bs);
     // The first block of each of this thread's tasks, asked for at once: the loop below fetches a task's next
     // block while it computes one, so a task's first block was read at the full latency of the pool's memory.
     for (int64_t task = begin; task < end; ++task) {
@@ -275,10 +275,8 @@ at::Tensor decode(const at::Tensor& q, const at::Tensor& kd, const E* K, const f
           float* acc = sm + G;
           const float* qb = Q + (b * H + h) * G * D;
           const int64_t base = blk * bs * H + h;  // slot (blk, t, h) = base + t * H: the scales' index
-          for (int64_t t = 0; t < bs; ++t) {
-            f[t] = KS ? KS[base + t * H] * sc : sc;
-            if (VS) vsh[t] = VS[base + t * H];
-          }
+          if (KS)  // int8 (K and V scales together); bf16 keeps f = scale
+            for (int64_t t = 0; t < bs; ++t) f[t] = KS[base + t * H] * sc, vsh[t] = VS[base + t * H];
           for (int64_t g = 0; g < G; ++g) {
             float* sg = s.data() + g * bs;
             dots(qb + g * D, kf.data() + h * D, bs, D, row, sg);

@@ -79,18 +79,19 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     _write(v_cache, meta.slot_mapping, v)
     T, H, D = q.shape
     out = None if len(meta.groups) == 1 else q.new_empty(T, H * D)
+    kv_dtype = torch.int8 if isinstance(k_cache, Int8Blocks) else k_cache.dtype
+    # inside the compiled graph the kernel was built before tracing (engine/compiled_decode.py)
+    kernel = (meta.traced and q.is_cpu and _kernel_dtype(kv_dtype)) or decodes_in_place(kv_dtype, q.device.type)
     for g in meta.groups:
         qg = q if g.token_index is None else q[g.token_index]
         fold = g.q_len == 1 and not meta.per_query
         mask = g.mask_local if sliding else g.mask
-        kernel = _kernel_dtype(torch.int8 if isinstance(k_cache, Int8Blocks) else k_cache.dtype) and q.is_cpu and (
-            meta.traced or decode_attention.available())
         if fold and kernel:
             # the C++ kernel reads the blocks through the table (int8: scales applied inside): no float copy, and
             # each sequence's chunks come from its own mask row, so a row's numbers do not depend on its batch.
-            # Int8 and bf16 decodes; inside the compiled graph (built before tracing: engine/compiled_decode.py)
-            # up to 2.1x inductor's fused reductions (bench/compiled_attention.py); in eager batched steps 1.10-1.36x
-            # SDPA over gathered copies (bench/RESULTS.md "Many-row int4 GEMV: the 8-bit VNNI path in tiles of rows")
+            # Int8 and bf16 decodes; inside the compiled graph up to 2.1x inductor's fused reductions
+            # (bench/compiled_attention.py); in eager batched steps 1.00-1.52x SDPA over gathered copies
+            # (bench/eager_decode_attention.py)
             o = decode_attention.decode(qg.view(g.batch, Hkv, H // Hkv, D), k_cache, v_cache, g.block_table, mask,
                                         scale).reshape(g.batch, H * D).to(q.dtype)
         elif fold and meta.traced:

@@ -223,7 +223,7 @@ def step_costs(mc: ModelCosts, chunks: list[tuple[int, int]], num_sampled: int,
     direct = 0  # decode slots kv/decode_attention.py reads in place (each sequence's own visible blocks)
     attn = 0  # Σ queries × keys computed
     meta = mask_alias = pad = 0
-    sliding = sum(map(c.is_sliding, range(c.num_layers))) / c.num_layers  # share of sliding-window layers
+    sliding = sum(map(c.is_sliding, range(c.num_layers))) / c.num_layers if window else 0.0  # their share
     for n, ends in attn_groups:
         B = len(ends)
         nb = max(-(-e // block_size) for e in ends)

@@ -1,0 +1,82 @@
+"""Variants of the decode attention kernel (kv/decode_attention.cpp) side by side in one process: each built from a
+git revision's source or the working tree, with -D flags, as its own op namespace, then timed interleaved over
+SmolLM2- or Qwen2.5-0.5B-shaped bf16 caches (one per layer, 30 / 24 layers, blocks of 16 shuffled in the pool),
+B sequences of about `--context` keys. Prints ms per step (all layers; median and best of the passes), the K/V
+read rate, and each variant's largest output difference from the first.
+
+    flock -x /tmp/tokenhaul-bench.lock .venv/bin/python bench/decode_kernel_variants.py before=@HEAD~1 now=.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import subprocess
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+from torch.utils.cpp_extension import load
+
+from tokenhaul import native
+
+ROOT = Path(__file__).resolve().parent.parent
+SOURCE = "tokenhaul/kv/decode_attention.cpp"
+SHAPES = {"smollm2-135m": (3, 3, 64, 30), "qwen2.5-0.5b": (2, 7, 64, 24)}  # KV heads, queries per KV head, D, layers
+
+
+def build(name: str, spec: str, workdir: Path):
+    """One variant's `decode_bf16` op, built under its own namespace (and C shim names)."""
+    source, _, flags = spec.partition(":")
+    text = (subprocess.run(["git", "show", f"{source[1:]}:{SOURCE}"], cwd=ROOT, check=True, capture_output=True,
+                           text=True).stdout if source.startswith("@") else (ROOT / SOURCE).read_text())
+    namespace = f"decode_variant_{name}"
+    file = workdir / f"{namespace}.cpp"
+    file.write_text(text.replace("tokenhaul_kv", namespace).replace("aoti_torch_cpu_decode", f"{namespace}_shim"))
+    load(namespace, [str(file)], extra_cflags=[*native._flags()[1], "-fopenmp", *flags.split()],
+         is_python_module=False)
+    return getattr(torch.ops, namespace).decode_bf16
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("variants", nargs="+", help="NAME=SOURCE[:FLAGS], SOURCE @REVISION or . (the working tree)")
+    ap.add_argument("--shapes", choices=sorted(SHAPES), default="smollm2-135m")
+    ap.add_argument("--batch", type=int, default=1)
+    ap.add_argument("--context", type=int, default=4096)
+    ap.add_argument("--passes", type=int, default=15)
+    ap.add_argument("--threads", type=int, default=2)
+    args = ap.parse_args()
+    torch.set_num_threads(args.threads)
+    with tempfile.TemporaryDirectory() as tmp:
+        ops = {name: build(name, spec, Path(tmp)) for name, spec in (v.split("=", 1) for v in args.variants)}
+    hkv, groups, d, layers = SHAPES[args.shapes]
+    B, bs = args.batch, 16
+    nb = -(-args.context // bs)
+    pool = B * nb + 4
+    caches = [tuple(torch.randn(pool, bs, hkv, d).bfloat16() for _ in range(2)) for _ in range(layers)]
+    tables = [torch.randperm(pool)[:B * nb].view(B, nb) for _ in range(layers)]
+    q = torch.randn(B, hkv, groups, d)
+    ends = torch.tensor([args.context - 7 * i for i in range(B)])
+    mask = (torch.arange(nb * bs)[None, :] < ends[:, None]).contiguous()
+    times: dict[str, list[float]] = {name: [] for name in ops}
+    for _ in range(args.passes):
+        for name, op in ops.items():  # interleaved: the host's drift hits every variant alike
+            t = time.perf_counter()
+            for (k, v), table in zip(caches, tables):
+                op(q, k, v, table, mask, d ** -0.5, 2)
+            times[name].append(time.perf_counter() - t)
+    kv_bytes = int(ends.sum()) * hkv * d * 2 * 2 * layers
+    outs = {name: op(q, *caches[0], tables[0], mask, d ** -0.5, 2) for name, op in ops.items()}
+    first = next(iter(outs.values()))
+    print(f"decode_bf16, {args.shapes} shapes, {B} × {args.context} keys, {layers} layers, {args.threads} threads")
+    print("| variant | ms per step (median / best) | K/V GB/s | largest difference |\n|---|---|---|---|")
+    for name, ts in times.items():
+        med = statistics.median(ts)
+        print(f"| {name} | {med * 1e3:.2f} / {min(ts) * 1e3:.2f} | {kv_bytes / med / 1e9:.1f} | "
+              f"{(outs[name] - first).abs().max().item():.3g} |")
+
+
+if __name__ == "__main__":
+    main()
