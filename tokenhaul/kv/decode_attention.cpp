@@ -216,14 +216,22 @@ at::Tensor decode(const at::Tensor& q, const at::Tensor& kd, const E* K, const f
   const float ninf = -std::numeric_limits<float>::infinity();
   const float sc = static_cast<float>(scale);
   const int64_t stride = G * (D + 2);  // per (b, h, chunk): G maxima, G sums, G x D accumulators
-  std::vector<Chunks> cut(B);
-  std::vector<int64_t> task0(B + 1, 0);  // sequence b's tasks (one per chunk, every KV head): task0[b] .. task0[b + 1]
+  // the caller's scratch, kept between calls (a decode step makes one a layer; filled before it is read)
+  thread_local std::vector<Chunks> cut;
+  thread_local std::vector<int64_t> task0;  // sequence b's tasks (one per chunk, every KV head): task0[b] .. task0[b + 1]
+  thread_local std::vector<float> part;  // partial softmaxes per (b, h, chunk): sequence b's at task0[b] * H, by head
+  cut.resize(B);
+  task0.resize(B + 1);
+  task0[0] = 0;
   for (int64_t b = 0; b < B; ++b) {
     cut[b] = chunks_of(M ? M + b * L : nullptr, nb, bs, min_chunk_blocks);
     task0[b + 1] = task0[b] + cut[b].count;
   }
-  // partial softmaxes per (b, h, chunk): sequence b's at task0[b] * H, head by head
-  std::vector<float> part(task0[B] * H * stride);
+  part.resize(std::max<size_t>(part.size(), task0[B] * H * stride));
+  // the workers see them through these (inside the parallel region a thread_local names the running thread's own)
+  const Chunks* const cuts = cut.data();
+  const int64_t* const first_task = task0.data();
+  float* const parts = part.data();
   const int64_t row = H * D;  // a token's K (or V) row: every KV head, contiguous
   const int64_t block_bytes = bs * row * static_cast<int64_t>(sizeof(E));
   auto fetch = [&](int64_t blk, int hint) {  // every line of a block's K and V
@@ -236,23 +244,32 @@ at::Tensor decode(const at::Tensor& q, const at::Tensor& kd, const E* K, const f
     }
 #endif
   };
-  at::parallel_for(0, task0[B], 1, [&](int64_t begin, int64_t end) {
-    std::vector<float> s(G * bs), kf(bs * row), vf(bs * row);
-    // per block: each key's mask as an addend (0 / -inf) and a factor (1 / 0); per head: the scores' factor
-    // (scale, times int8 K's per-token scale) and int8 V's per-token scale
-    std::vector<float> add(bs), keep(bs), f(bs, sc), vsh(bs);
+  at::parallel_for(0, first_task[B], 1, [&](int64_t begin, int64_t end) {
+    // each thread's scratch, kept between calls: scores, a block of K and of V in fp32; per block each key's mask
+    // as an addend (0 / -inf) and a factor (1 / 0); per head the scores' factor (scale, times int8 K's per-token
+    // scale) and int8 V's per-token scale
+    thread_local std::vector<float> scratch;
+    scratch.resize(std::max<size_t>(scratch.size(), G * bs + 2 * bs * row + 4 * bs));
+    float* const s_ = scratch.data();
+    float* const kf = s_ + G * bs;
+    float* const vf = kf + bs * row;
+    float* const add = vf + bs * row;
+    float* const keep = add + bs;
+    float* const f = keep + bs;
+    float* const vsh = f + bs;
+    std::fill(f, f + bs, sc);
     // The first block of each of this thread's tasks, asked for at once: the loop below fetches a task's next
     // block while it computes one, so a task's first block was read at the full latency of the pool's memory.
     for (int64_t task = begin; task < end; ++task) {
-      const int64_t b = std::upper_bound(task0.begin(), task0.end(), task) - task0.begin() - 1;
-      fetch(T[b * nb + cut[b].first + (task - task0[b]) * cut[b].size], 1);
+      const int64_t b = std::upper_bound(first_task, first_task + B + 1, task) - first_task - 1;
+      fetch(T[b * nb + cuts[b].first + (task - first_task[b]) * cuts[b].size], 1);
     }
     for (int64_t task = begin; task < end; ++task) {
-      const int64_t b = std::upper_bound(task0.begin(), task0.end(), task) - task0.begin() - 1;
-      const Chunks& ch = cut[b];
-      const int64_t c = task - task0[b];
+      const int64_t b = std::upper_bound(first_task, first_task + B + 1, task) - first_task - 1;
+      const Chunks& ch = cuts[b];
+      const int64_t c = task - first_task[b];
       for (int64_t h = 0; h < H; ++h) {
-        float* mx = part.data() + ((task0[b] * H) + h * ch.count + c) * stride;
+        float* mx = parts + ((first_task[b] * H) + h * ch.count + c) * stride;
         std::fill(mx, mx + G, ninf);
         std::fill(mx + G, mx + stride, 0.f);
       }
@@ -262,15 +279,15 @@ at::Tensor decode(const at::Tensor& q, const at::Tensor& kd, const E* K, const f
         const bool* mrow = M ? M + b * L + j * bs : nullptr;
         if (mrow && std::none_of(mrow, mrow + bs, [](bool x) { return x; })) continue;
         if (j + 1 < nb) fetch(T[b * nb + j + 1], 0);  // the next block is anywhere in the pool
-        to_float(K + blk * bs * row, kf.data(), bs * row);  // the whole block, every head: contiguous reads
-        to_float(V + blk * bs * row, vf.data(), bs * row);
+        to_float(K + blk * bs * row, kf, bs * row);  // the whole block, every head: contiguous reads
+        to_float(V + blk * bs * row, vf, bs * row);
         for (int64_t t = 0; t < bs; ++t) {
           const bool visible = !mrow || mrow[t];
           add[t] = visible ? 0.f : ninf;
           keep[t] = visible ? 1.f : 0.f;
         }
         for (int64_t h = 0; h < H; ++h) {
-          float* mx = part.data() + ((task0[b] * H) + h * ch.count + c) * stride;
+          float* mx = parts + ((first_task[b] * H) + h * ch.count + c) * stride;
           float* sm = mx + G;
           float* acc = sm + G;
           const float* qb = Q + (b * H + h) * G * D;
@@ -278,36 +295,37 @@ at::Tensor decode(const at::Tensor& q, const at::Tensor& kd, const E* K, const f
           if (KS)  // int8 (K and V scales together); bf16 keeps f = scale
             for (int64_t t = 0; t < bs; ++t) f[t] = KS[base + t * H] * sc, vsh[t] = VS[base + t * H];
           for (int64_t g = 0; g < G; ++g) {
-            float* sg = s.data() + g * bs;
-            dots(qb + g * D, kf.data() + h * D, bs, D, row, sg);
-            const float bmax = scale_mask_max(sg, f.data(), add.data(), bs);
+            float* sg = s_ + g * bs;
+            dots(qb + g * D, kf + h * D, bs, D, row, sg);
+            const float bmax = scale_mask_max(sg, f, add, bs);
             const float mnew = std::max(mx[g], bmax);
             // exp(-inf) = 0 on the first visible block; the max mostly stays, and exp(0) is 1 exactly
             const float corr = mnew == mx[g] ? 1.f : std::exp(mx[g] - mnew);
             exps(sg, bs, mnew);
-            const float bsum = keep_sum_scale(sg, keep.data(), VS ? vsh.data() : nullptr, bs);
+            const float bsum = keep_sum_scale(sg, keep, VS ? vsh : nullptr, bs);
             float* ag = acc + g * D;
             if (corr != 1.f)
               for (int64_t d = 0; d < D; ++d) ag[d] *= corr;
             sm[g] = sm[g] * corr + bsum;
             mx[g] = mnew;
-            axpys(sg, vf.data() + h * D, bs, D, row, ag);
+            axpys(sg, vf + h * D, bs, D, row, ag);
           }
         }
       }
     }
   });
-  at::Tensor out = at::zeros({B, H, G, D}, q.options());
+  at::Tensor out = at::detail::empty_cpu({B, H, G, D}, at::kFloat, false, std::nullopt);
   float* O = out.data_ptr<float>();
   for (int64_t bh = 0; bh < B * H; ++bh) {  // merge the chunks' partial softmaxes
     const int64_t b = bh / H, nchunks = cut[b].count;
     const float* first = part.data() + (task0[b] * H + bh % H * nchunks) * stride;
     for (int64_t g = 0; g < G; ++g) {
+      float* o = O + (bh * G + g) * D;
+      std::fill(o, o + D, 0.f);
       float m = ninf;
       for (int64_t c = 0; c < nchunks; ++c) m = std::max(m, first[c * stride + g]);
       if (m == ninf) continue;  // no visible key: zeros
       float total = 0.f;
-      float* o = O + (bh * G + g) * D;
       for (int64_t c = 0; c < nchunks; ++c) {
         const float* p = first + c * stride;
         if (p[g] == ninf) continue;

@@ -148,17 +148,29 @@ at::Tensor int8_gemv(const at::Tensor& x, const at::Tensor& weight, const at::Te
   TORCH_CHECK(scales.dtype() == at::kBFloat16 && scales.is_contiguous(), "scales: contiguous bf16 [N]");
   const int64_t M = x.size(0), K = x.size(1), N = weight.size(0);
   TORCH_CHECK(weight.size(1) == K && scales.numel() == N, "shapes do not match");
-  // each activation row as int16 codes with one fp32 scale (15 bits of its largest value: finer than bf16's 8)
-  const at::Tensor xf = x.to(at::kFloat).contiguous();
-  std::vector<int16_t> xq(M * K);
-  std::vector<float> xs(M);
-  const float* xp = xf.data_ptr<float>();
+  // each activation row as int16 codes with one fp32 scale (15 bits of its largest value: finer than bf16's 8),
+  // in the calling thread's buffers, kept between calls (no heap traffic; a bf16 x widened here, not by an op)
+  thread_local std::vector<float> xf_area, xs;
+  thread_local std::vector<int16_t> xq;
+  xq.resize(std::max<size_t>(xq.size(), M * K));
+  xs.resize(std::max<size_t>(xs.size(), M));
+  const at::Tensor xc = x.scalar_type() == at::kFloat || x.scalar_type() == at::kBFloat16 ? x.contiguous()
+                                                                                          : x.to(at::kFloat).contiguous();
+  const float* xp = nullptr;
+  if (xc.scalar_type() == at::kFloat) {
+    xp = xc.data_ptr<float>();
+  } else {
+    xf_area.resize(std::max<size_t>(xf_area.size(), M * K));
+    const auto* xb = reinterpret_cast<const uint16_t*>(xc.data_ptr<at::BFloat16>());
+    for (int64_t i = 0; i < M * K; ++i) xf_area[i] = c10::BFloat16(xb[i], c10::BFloat16::from_bits());
+    xp = xf_area.data();
+  }
   for (int64_t m = 0; m < M; ++m) {
     const float amax = abs_max(xp + m * K, K);
     xs[m] = amax > 0.f ? amax / 32767.f : 1.f;
     quantize_row(xp + m * K, K, 1.f / xs[m], xq.data() + m * K);
   }
-  at::Tensor y = at::empty({M, N}, x.options().dtype(at::kFloat));
+  at::Tensor y = at::detail::empty_cpu({M, N}, at::kFloat, false, std::nullopt);  // not through the dispatcher
   const int8_t* W = weight.data_ptr<int8_t>();
   const uint16_t* S = reinterpret_cast<const uint16_t*>(scales.data_ptr<at::BFloat16>());
   for (int64_t m0 = 0; m0 < M; m0 += MAX_ROWS) {  // passes of up to 8 rows: each row is summed the same way
