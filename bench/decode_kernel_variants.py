@@ -2,7 +2,8 @@
 git revision's source or the working tree, with -D flags, as its own op namespace, then timed interleaved over
 SmolLM2- or Qwen2.5-0.5B-shaped bf16 caches (one per layer, 30 / 24 layers, blocks of 16 shuffled in the pool),
 B sequences of about `--context` keys. Prints ms per step (all layers; median and best of the passes), the K/V
-read rate, and each variant's largest output difference from the first.
+read rate, and each variant's largest output difference from the first. `--evict MB` reads that many MB of another
+buffer before each layer's call (untimed), as a decode step's weight stream does: the keys then come from DRAM.
 
     flock -x /tmp/tokenhaul-bench.lock .venv/bin/python bench/decode_kernel_variants.py before=@HEAD~1 now=.
 """
@@ -47,6 +48,7 @@ def main() -> None:
     ap.add_argument("--context", type=int, default=4096)
     ap.add_argument("--passes", type=int, default=15)
     ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--evict", type=float, default=0.0, help="MB read between two layers' calls (untimed)")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     with tempfile.TemporaryDirectory() as tmp:
@@ -60,17 +62,24 @@ def main() -> None:
     q = torch.randn(B, hkv, groups, d)
     ends = torch.tensor([args.context - 7 * i for i in range(B)])
     mask = (torch.arange(nb * bs)[None, :] < ends[:, None]).contiguous()
+    stream = torch.ones(max(1, int(args.evict * 2 ** 18) * 64))  # 64 × the slice: a slice read is not cached
+    piece = int(args.evict * 2 ** 18)
     times: dict[str, list[float]] = {name: [] for name in ops}
     for _ in range(args.passes):
         for name, op in ops.items():  # interleaved: the host's drift hits every variant alike
-            t = time.perf_counter()
-            for (k, v), table in zip(caches, tables):
+            total = 0.0
+            for i, ((k, v), table) in enumerate(zip(caches, tables)):
+                if piece:
+                    stream[(i % 64) * piece:(i % 64 + 1) * piece].sum()
+                t = time.perf_counter()
                 op(q, k, v, table, mask, d ** -0.5, 2)
-            times[name].append(time.perf_counter() - t)
+                total += time.perf_counter() - t
+            times[name].append(total)
     kv_bytes = int(ends.sum()) * hkv * d * 2 * 2 * layers
     outs = {name: op(q, *caches[0], tables[0], mask, d ** -0.5, 2) for name, op in ops.items()}
     first = next(iter(outs.values()))
-    print(f"decode_bf16, {args.shapes} shapes, {B} × {args.context} keys, {layers} layers, {args.threads} threads")
+    print(f"decode_bf16, {args.shapes} shapes, {B} × {args.context} keys, {layers} layers, {args.threads} threads, "
+          f"{args.evict:g} MB read between calls")
     print("| variant | ms per step (median / best) | K/V GB/s | largest difference |\n|---|---|---|---|")
     for name, ts in times.items():
         med = statistics.median(ts)
