@@ -56,7 +56,7 @@ inline float bf16_to_float(uint16_t h) { return c10::BFloat16(h, c10::BFloat16::
 struct Problem {
   const uint8_t* w;    // [N / B][K][B / 2]
   const uint16_t* sz;  // (scale, zero) bf16 pairs, in the order `units` says
-  const float* x;      // [M][K]
+  const float* x;      // [M][K] (not filled for the 8-bit paths, which never read it)
   const float* xs;     // [M][G] group sums of x
   int64_t m, k, n, groups, group, block;
   const uint32_t* xpairs;  // bf16 x as (x[k], x[k + 1]) pairs, [M][K / 2]; null when x is fp32
