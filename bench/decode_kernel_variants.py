@@ -62,8 +62,8 @@ def main() -> None:
     q = torch.randn(B, hkv, groups, d)
     ends = torch.tensor([args.context - 7 * i for i in range(B)])
     mask = (torch.arange(nb * bs)[None, :] < ends[:, None]).contiguous()
-    stream = torch.ones(max(1, int(args.evict * 2 ** 18) * 64))  # 64 × the slice: a slice read is not cached
-    piece = int(args.evict * 2 ** 18)
+    piece = int(args.evict * 2 ** 18)  # fp32 values read before each call
+    stream = torch.ones(max(1, piece * 64))  # 64 slices: a slice read again is no longer cached
     times: dict[str, list[float]] = {name: [] for name in ops}
     for _ in range(args.passes):
         for name, op in ops.items():  # interleaved: the host's drift hits every variant alike

@@ -228,7 +228,7 @@ at::Tensor decode(const at::Tensor& q, const at::Tensor& kd, const E* K, const f
     task0[b + 1] = task0[b] + cut[b].count;
   }
   part.resize(std::max<size_t>(part.size(), task0[B] * H * stride));
-  // the workers see them through these (inside the parallel region a thread_local names the running thread's own)
+  // read through these from here on (inside the parallel region a thread_local names the running thread's own)
   const Chunks* const cuts = cut.data();
   const int64_t* const first_task = task0.data();
   float* const parts = part.data();
@@ -317,8 +317,8 @@ at::Tensor decode(const at::Tensor& q, const at::Tensor& kd, const E* K, const f
   at::Tensor out = at::detail::empty_cpu({B, H, G, D}, at::kFloat, false, std::nullopt);
   float* O = out.data_ptr<float>();
   for (int64_t bh = 0; bh < B * H; ++bh) {  // merge the chunks' partial softmaxes
-    const int64_t b = bh / H, nchunks = cut[b].count;
-    const float* first = part.data() + (task0[b] * H + bh % H * nchunks) * stride;
+    const int64_t b = bh / H, nchunks = cuts[b].count;
+    const float* first = parts + (first_task[b] * H + bh % H * nchunks) * stride;
     for (int64_t g = 0; g < G; ++g) {
       float* o = O + (bh * G + g) * D;
       std::fill(o, o + D, 0.f);
