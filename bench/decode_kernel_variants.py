@@ -1,8 +1,9 @@
 """Variants of the decode attention kernel (kv/decode_attention.cpp) side by side in one process: each built from a
 git revision's source or the working tree, with -D flags, as its own op namespace, then timed interleaved over
 SmolLM2- or Qwen2.5-0.5B-shaped bf16 caches (one per layer, 30 / 24 layers, blocks of 16 shuffled in the pool),
-B sequences of about `--context` keys. Prints ms per step (all layers; median and best of the passes), the K/V
-read rate, and each variant's largest output difference from the first. `--evict MB` reads that many MB of another
+B sequences of about `--context` keys, for each KV dtype of `--kv` (bf16; int8 with per-token scales). Prints ms
+per step (all layers; median and best of the passes), the K/V read rate, and each variant's largest output
+difference from the first of the same KV dtype. `--evict MB` reads that many MB of another
 buffer before each layer's call (untimed), as a decode step's weight stream does: the keys then come from DRAM.
 
     flock -x /tmp/tokenhaul-bench.lock .venv/bin/python bench/decode_kernel_variants.py before=@HEAD~1 now=.
@@ -28,7 +29,7 @@ SHAPES = {"smollm2-135m": (3, 3, 64, 30), "qwen2.5-0.5b": (2, 7, 64, 24)}  # KV 
 
 
 def build(name: str, spec: str, workdir: Path):
-    """One variant's `decode_bf16` op, built under its own namespace (and C shim names)."""
+    """One variant's ops (`decode_bf16`, `decode_int8`), built under its own namespace (and C shim names)."""
     source, _, flags = spec.partition(":")
     text = (subprocess.run(["git", "show", f"{source[1:]}:{SOURCE}"], cwd=ROOT, check=True, capture_output=True,
                            text=True).stdout if source.startswith("@") else (ROOT / SOURCE).read_text())
@@ -37,7 +38,13 @@ def build(name: str, spec: str, workdir: Path):
     file.write_text(text.replace("tokenhaul_kv", namespace).replace("aoti_torch_cpu_decode", f"{namespace}_shim"))
     load(namespace, [str(file)], extra_cflags=[*native._flags()[1], "-fopenmp", *flags.split()],
          is_python_module=False)
-    return getattr(torch.ops, namespace).decode_bf16
+    return getattr(torch.ops, namespace)
+
+
+def int8_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """x [N, bs, H, D] as int8 with per-token-per-head scales [N, bs, H], as the int8 KV cache stores it."""
+    scale = x.abs().amax(-1).clamp_min(1e-8) / 127
+    return (x / scale[..., None]).round().to(torch.int8), scale.float().contiguous()
 
 
 def main() -> None:
@@ -48,6 +55,7 @@ def main() -> None:
     ap.add_argument("--context", type=int, default=4096)
     ap.add_argument("--passes", type=int, default=15)
     ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--kv", default="bf16", help="KV dtypes, comma-separated: bf16, int8")
     ap.add_argument("--evict", type=float, default=0.0, help="MB read between two layers' calls (untimed)")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
@@ -57,34 +65,46 @@ def main() -> None:
     B, bs = args.batch, 16
     nb = -(-args.context // bs)
     pool = B * nb + 4
-    caches = [tuple(torch.randn(pool, bs, hkv, d).bfloat16() for _ in range(2)) for _ in range(layers)]
+    kvs = args.kv.split(",")
+    bf16 = [tuple(torch.randn(pool, bs, hkv, d).bfloat16() for _ in range(2)) for _ in range(layers)]
+    caches = {"bf16": bf16} if "bf16" in kvs else {}
+    if "int8" in kvs:
+        caches["int8"] = [(*int8_rows(k.float()), *int8_rows(v.float())) for k, v in bf16]
     tables = [torch.randperm(pool)[:B * nb].view(B, nb) for _ in range(layers)]
     q = torch.randn(B, hkv, groups, d)
     ends = torch.tensor([args.context - 7 * i for i in range(B)])
     mask = (torch.arange(nb * bs)[None, :] < ends[:, None]).contiguous()
     piece = int(args.evict * 2 ** 18)  # fp32 values read before each call
     stream = torch.ones(max(1, piece * 64))  # 64 slices: a slice read again is no longer cached
-    times: dict[str, list[float]] = {name: [] for name in ops}
+    def call(ops, kv: str, cache: tuple[torch.Tensor, ...], table: torch.Tensor) -> torch.Tensor:
+        if kv == "int8":
+            return ops.decode_int8(q, *cache, table, mask, d ** -0.5, 2)
+        return ops.decode_bf16(q, *cache, table, mask, d ** -0.5, 2)
+
+    runs = [(name, kv) for name in ops for kv in caches]
+    times: dict[tuple[str, str], list[float]] = {run: [] for run in runs}
     for _ in range(args.passes):
-        for name, op in ops.items():  # interleaved: the host's drift hits every variant alike
+        for name, kv in runs:  # interleaved: the host's drift hits every variant alike
             total = 0.0
-            for i, ((k, v), table) in enumerate(zip(caches, tables)):
+            for i, (cache, table) in enumerate(zip(caches[kv], tables)):
                 if piece:
                     stream[(i % 64) * piece:(i % 64 + 1) * piece].sum()
                 t = time.perf_counter()
-                op(q, k, v, table, mask, d ** -0.5, 2)
+                call(ops[name], kv, cache, table)
                 total += time.perf_counter() - t
-            times[name].append(total)
-    kv_bytes = int(ends.sum()) * hkv * d * 2 * 2 * layers
-    outs = {name: op(q, *caches[0], tables[0], mask, d ** -0.5, 2) for name, op in ops.items()}
-    first = next(iter(outs.values()))
-    print(f"decode_bf16, {args.shapes} shapes, {B} × {args.context} keys, {layers} layers, {args.threads} threads, "
-          f"{args.evict:g} MB read between calls")
-    print("| variant | ms per step (median / best) | K/V GB/s | largest difference |\n|---|---|---|---|")
-    for name, ts in times.items():
+            times[name, kv].append(total)
+    outs = {(name, kv): call(ops[name], kv, caches[kv][0], tables[0]) for name, kv in runs}
+    print(f"decode attention, {args.shapes} shapes, {B} × {args.context} keys, {layers} layers, {args.threads} "
+          f"threads, {args.evict:g} MB read between calls")
+    print("| variant | KV | ms per step (median / best) | K/V GB/s | largest difference |\n|---|---|---|---|---|")
+    for name, kv in runs:
+        ts = times[name, kv]
         med = statistics.median(ts)
-        print(f"| {name} | {med * 1e3:.2f} / {min(ts) * 1e3:.2f} | {kv_bytes / med / 1e9:.1f} | "
-              f"{(outs[name] - first).abs().max().item():.3g} |")
+        row_bytes = hkv * d * 2 * 2 if kv == "bf16" else hkv * (d + 4) * 2  # K and V of a token, scales included
+        kv_bytes = int(ends.sum()) * row_bytes * layers
+        first = outs[runs[0][0], kv]
+        print(f"| {name} | {kv} | {med * 1e3:.2f} / {min(ts) * 1e3:.2f} | {kv_bytes / med / 1e9:.1f} | "
+              f"{(outs[name, kv] - first).abs().max().item():.3g} |")
 
 
 if __name__ == "__main__":
