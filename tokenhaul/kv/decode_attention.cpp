@@ -163,6 +163,17 @@ static inline float keep_sum_scale(float* s, const float* keep, const float* vs,
   return total;
 }
 
+// dst[t] = src[t * H] · factor for n keys: one head's scales out of a block's [key, head] ones
+static inline void by_head(const float* src, int64_t H, int64_t n, float factor, float* dst) {
+  int64_t t = 0;
+#ifdef __AVX2__
+  const __m256i idx = _mm256_mullo_epi32(_mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7), _mm256_set1_epi32(H));
+  for (; t + 8 <= n; t += 8)
+    _mm256_storeu_ps(dst + t, _mm256_mul_ps(_mm256_i32gather_ps(src + t * H, idx, 4), _mm256_set1_ps(factor)));
+#endif
+  for (; t < n; ++t) dst[t] = src[t * H] * factor;
+}
+
 static inline void exps(float* s, int64_t n, float m) {
   int64_t t = 0;
 #ifdef __AVX2__
@@ -302,13 +313,11 @@ at::Tensor decode(const at::Tensor& q, const at::Tensor& kd, const E* K, const f
           add[i * bs + t] = visible ? 0.f : ninf;
           keep[i * bs + t] = visible ? 1.f : 0.f;
         }
-        if (KS) {  // per-token scales, by head
-          const float* ks = KS + blk * bs * H;
-          const float* vs = VS + blk * bs * H;
-          for (int64_t t = 0; t < bs; ++t)
-            for (int64_t h = 0; h < H; ++h) f[h * chunk_keys + i * bs + t] = ks[t * H + h] * sc,
-                                            vsh[h * chunk_keys + i * bs + t] = vs[t * H + h];
-        }
+        if (KS)  // per-token scales, by head
+          for (int64_t h = 0; h < H; ++h) {
+            by_head(KS + blk * bs * H + h, H, bs, sc, f + h * chunk_keys + i * bs);
+            by_head(VS + blk * bs * H + h, H, bs, 1.f, vsh + h * chunk_keys + i * bs);
+          }
         for (int64_t h = 0; h < H; ++h)
           for (int64_t g = 0; g < G; ++g) {
             fetch_share(next, block_bytes, h * G + g, per);
