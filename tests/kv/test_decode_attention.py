@@ -1,8 +1,11 @@
 """The decode-attention kernel (kv/decode_attention.py), over int8 and bf16 caches, against the same attention
-computed in fp32 from the dequantized (or widened) cache: same math, so the stated tolerance is fp32 rounding
-(1e-5 of max|v|); and a row's bits do not depend on the batch it is in or the thread count."""
+computed in fp32 from the dequantized (or widened) cache, with the queries rounded to int8 where the kernel scores
+int8 keys with int8 queries (AVX-512 VNNI): same math, so the stated tolerance is fp32 rounding (1e-5 of max|v|);
+and a row's bits do not depend on the batch it is in or the thread count."""
 
 from __future__ import annotations
+
+from pathlib import Path
 
 import pytest
 import torch
@@ -38,13 +41,26 @@ def _layout(hkv: int, groups: int, d: int, g: torch.Generator):
     return table, q, [m.view(B, 1, 1, -1) for m in ((keys <= pos), (keys <= pos) & (keys > pos - 100))]
 
 
+def _int8_rows(q: torch.Tensor) -> torch.Tensor:
+    """q with each row rounded to q8 · max|q| / 127 (to even), as the kernel rounds it for int8 keys."""
+    amax = q.abs().amax(-1, keepdim=True)
+    inv = torch.where(amax > 0, torch.full_like(amax, 127.0).div(amax), 0)  # true division, as the kernel
+    return torch.round(q * inv) * (amax / 127)
+
+
+def _dequantized(kd, ks, vd, vs, table) -> tuple[torch.Tensor, torch.Tensor]:
+    """The table's blocks of K and V in fp32, [B, Hkv, keys, D]."""
+    B, hkv, d = table.shape[0], kd.shape[2], kd.shape[3]
+    k = dequantize(kd[table], ks[table]).reshape(B, -1, hkv, d).transpose(1, 2)
+    return k, dequantize(vd[table], vs[table]).reshape(B, -1, hkv, d).transpose(1, 2)
+
+
 def _reference(q, kd, ks, vd, vs, table, mask, scale):
     """Dequantize the table's blocks to fp32 and run torch's SDPA: what the kernel must equal."""
-    B, nb = table.shape
-    hkv, d = kd.shape[2], kd.shape[3]
-    k = dequantize(kd[table], ks[table]).reshape(B, -1, hkv, d).transpose(1, 2)
-    v = dequantize(vd[table], vs[table]).reshape(B, -1, hkv, d).transpose(1, 2)
-    return F.scaled_dot_product_attention(q.float(), k, v, attn_mask=mask, scale=scale)
+    if decode_attention.int8_queries(kd.shape[1], kd.shape[3]):
+        q = _int8_rows(q)
+    return F.scaled_dot_product_attention(q.float(), *_dequantized(kd, ks, vd, vs, table), attn_mask=mask,
+                                          scale=scale)
 
 
 @pytest.mark.parametrize("hkv,groups,d", [(3, 3, 64), (2, 7, 64), (1, 4, 256), (2, 2, 40)])
@@ -61,6 +77,23 @@ def test_kernel_equals_dequantized_sdpa(hkv, groups, d):
         assert float((out - ref).abs().max()) < 1e-5 * float(vd.abs().max() * vs.max())
     full = decode_attention.decode_int8(q, kd, ks, vd, vs, table, None, d ** -0.5)
     assert torch.allclose(full, _reference(q, kd, ks, vd, vs, table, None, d ** -0.5), atol=1e-5, rtol=1e-4)
+
+
+def test_int8_queries_where_vnni():
+    """Int8 queries exactly where the kernel's VNNI path takes them: blocks of 16, head dims a multiple of 64, a
+    CPU with AVX-512 VNNI; and there the output is off fp32 queries' by about a query rounding step."""
+    flags = Path("/proc/cpuinfo").read_text() if Path("/proc/cpuinfo").exists() else ""
+    vnni = all(f in flags.split() for f in ("avx512f", "avx512bw", "avx512_vnni"))
+    assert decode_attention.int8_queries(16, 64) == vnni == decode_attention.int8_queries(16, 128)
+    assert not decode_attention.int8_queries(16, 40) and not decode_attention.int8_queries(8, 64)
+    if not vnni:
+        pytest.skip("no AVX-512 VNNI: int8 keys are scored in fp32")
+    g = torch.Generator().manual_seed(5)
+    kd, ks, vd, vs = _cache(len(LENGTHS) * NB + 1, BS, 2, 64, g)
+    table, q, masks = _layout(2, 7, 64, g)
+    out = decode_attention.decode_int8(q, kd, ks, vd, vs, table, masks[0], 0.125)
+    fp32_q = F.scaled_dot_product_attention(q, *_dequantized(kd, ks, vd, vs, table), attn_mask=masks[0], scale=0.125)
+    assert 0 < float((out - fp32_q).abs().max()) < 0.05 * float(vd.abs().max() * vs.max())
 
 
 @pytest.mark.parametrize("hkv,groups,d", [(3, 3, 64), (2, 7, 64), (1, 4, 256), (2, 2, 40)])

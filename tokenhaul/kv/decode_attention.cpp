@@ -12,11 +12,15 @@
 
 #include <algorithm>
 #include <cmath>
+#include <cstring>
+#include <type_traits>
 #include <limits>
 #include <vector>
 
-#ifdef __AVX2__
+#if defined(__x86_64__)
 #include <immintrin.h>
+#endif
+#ifdef __AVX2__
 
 // exp of 8 floats (Cephes polynomial, as avx_mathfun's exp256_ps): relative error ~2e-7.
 static inline __m256 exp8(__m256 x) {
@@ -207,6 +211,74 @@ inline Chunks chunks_of(const bool* mrow, int64_t nb, int64_t bs, int64_t min_bl
   return {first, size, (blocks + size - 1) / size};
 }
 
+// int8 K with AVX-512 VNNI: the scores of 16 keys by integer dot products, llama.cpp's way for quantized KV. Each
+// query row is rounded to int8 (per row: q ≈ qscale · q8, qscale = max|q| / 127) before the call; a block's 16 keys
+// of one head are turned so that one 512-bit register holds the same 4 dimensions of all 16 keys, so
+// `vpdpbusd` adds 4 products a key into 16 keys' sums at once (no sum across lanes). K is made unsigned (k + 128)
+// and the query's 128 · Σ q8 taken off again.
+#if defined(__x86_64__)
+bool int8_queries(int64_t block_size, int64_t head_dim) {
+  static const bool vnni = __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
+                           __builtin_cpu_supports("avx512vnni");
+  return vnni && block_size == 16 && head_dim % 64 == 0;
+}
+
+#define AVX512_VNNI __attribute__((target("avx512f,avx512bw,avx512vnni")))
+
+// S[g * ldS + t] = (Σ_d q8[g][d] · k[t][d]) · qscale[g] for the 16 keys t at k (`row` bytes apart, D of them each)
+// and G query rows; kp: D * 16 bytes of scratch
+AVX512_VNNI static void scores_int8(const int8_t* k, int64_t row, int64_t D, const int8_t* q8, const int32_t* qsum,
+                                    const float* qscale, int64_t G, float* S, int64_t ldS, int32_t* kp) {
+  const __m512i flip = _mm512_set1_epi8(static_cast<char>(0x80));
+  for (int64_t s = 0; s < D / 64; ++s) {  // 64 dimensions: 16 keys x 16 groups of 4 bytes, turned
+    __m512i r[16], t[16];
+    for (int i = 0; i < 16; ++i) r[i] = _mm512_xor_si512(_mm512_loadu_si512(k + i * row + s * 64), flip);
+    for (int i = 0; i < 8; ++i) {
+      t[2 * i] = _mm512_unpacklo_epi32(r[2 * i], r[2 * i + 1]);
+      t[2 * i + 1] = _mm512_unpackhi_epi32(r[2 * i], r[2 * i + 1]);
+    }
+    for (int i = 0; i < 4; ++i) {
+      r[4 * i] = _mm512_unpacklo_epi64(t[4 * i], t[4 * i + 2]);
+      r[4 * i + 1] = _mm512_unpackhi_epi64(t[4 * i], t[4 * i + 2]);
+      r[4 * i + 2] = _mm512_unpacklo_epi64(t[4 * i + 1], t[4 * i + 3]);
+      r[4 * i + 3] = _mm512_unpackhi_epi64(t[4 * i + 1], t[4 * i + 3]);
+    }
+    int32_t* out = kp + s * 256;  // group c of 4 bytes (dimensions 4c .. 4c + 3) of every key: 16 dwords at 16 c
+    for (int j = 0; j < 4; ++j) {
+      const __m512i a = _mm512_shuffle_i32x4(r[j], r[4 + j], 0x88), b = _mm512_shuffle_i32x4(r[j], r[4 + j], 0xDD);
+      const __m512i c = _mm512_shuffle_i32x4(r[8 + j], r[12 + j], 0x88);
+      const __m512i d = _mm512_shuffle_i32x4(r[8 + j], r[12 + j], 0xDD);
+      _mm512_storeu_si512(out + 16 * j, _mm512_shuffle_i32x4(a, c, 0x88));
+      _mm512_storeu_si512(out + 16 * (4 + j), _mm512_shuffle_i32x4(b, d, 0x88));
+      _mm512_storeu_si512(out + 16 * (8 + j), _mm512_shuffle_i32x4(a, c, 0xDD));
+      _mm512_storeu_si512(out + 16 * (12 + j), _mm512_shuffle_i32x4(b, d, 0xDD));
+    }
+  }
+  for (int64_t g0 = 0; g0 < G; g0 += 8) {  // up to 8 query rows at once: independent sums, each group loaded once
+    const int64_t n = std::min<int64_t>(8, G - g0);
+    __m512i acc[8];
+    for (int j = 0; j < 8; ++j) acc[j] = _mm512_setzero_si512();
+    for (int64_t c = 0; c < D / 4; ++c) {
+      const __m512i kv = _mm512_loadu_si512(kp + 16 * c);
+      for (int j = 0; j < 8; ++j)
+        if (j < n) {
+          int32_t qv;
+          std::memcpy(&qv, q8 + (g0 + j) * D + 4 * c, 4);
+          acc[j] = _mm512_dpbusd_epi32(acc[j], kv, _mm512_set1_epi32(qv));
+        }
+    }
+    for (int j = 0; j < n; ++j) {
+      const __m512i dot = _mm512_sub_epi32(acc[j], _mm512_set1_epi32(128 * qsum[g0 + j]));
+      _mm512_storeu_ps(S + (g0 + j) * ldS, _mm512_mul_ps(_mm512_cvtepi32_ps(dot), _mm512_set1_ps(qscale[g0 + j])));
+    }
+  }
+}
+#else
+bool int8_queries(int64_t, int64_t) { return false; }
+static void scores_int8(const int8_t*, int64_t, int64_t, const int8_t*, const int32_t*, const float*, int64_t, float*,
+                        int64_t, int32_t*) {}
+#endif
+
 // The i-th share of the lines of `bytes` bytes at p, `per` lines a share, asked for into L1. A whole block asked for
 // at once stalled the core: prefetches wait for a free miss buffer as loads do (Qwen2.5-0.5B shapes, 4,096 keys:
 // the whole next block at once was no faster than no prefetch at all; a share before each dot product, 1.32x).
@@ -255,6 +327,33 @@ at::Tensor decode(const at::Tensor& q, const at::Tensor& kd, const E* K, const f
     chunk_keys = std::max(chunk_keys, cut[b].size * bs);
   }
   part.resize(std::max<size_t>(part.size(), task0[B] * H * stride));
+  // int8 K with VNNI: every query row rounded to int8 (q8 · qscale; qsum: Σ q8, for the unsigned keys' offset)
+  const bool q8_path = std::is_same_v<E, int8_t> && int8_queries(bs, D);
+  thread_local std::vector<int8_t> q8_;
+  thread_local std::vector<int32_t> qsum_;
+  thread_local std::vector<float> qscale_;
+  if (q8_path) {
+    q8_.resize(std::max<size_t>(q8_.size(), B * H * G * D));
+    qsum_.resize(std::max<size_t>(qsum_.size(), B * H * G));
+    qscale_.resize(std::max<size_t>(qscale_.size(), B * H * G));
+    for (int64_t r = 0; r < B * H * G; ++r) {
+      const float* x = Q + r * D;
+      float amax = 0.f;
+      for (int64_t d = 0; d < D; ++d) amax = std::max(amax, std::fabs(x[d]));
+      const float inv = amax > 0.f ? 127.f / amax : 0.f;
+      int32_t sum = 0;
+      for (int64_t d = 0; d < D; ++d) {
+        const auto v = static_cast<int8_t>(std::nearbyint(x[d] * inv));  // to even, as the reference rounds
+        q8_[r * D + d] = v;
+        sum += v;
+      }
+      qsum_[r] = sum;
+      qscale_[r] = amax / 127.f;
+    }
+  }
+  const int8_t* const q8 = q8_.data();
+  const int32_t* const qsum = qsum_.data();
+  const float* const qscale = qscale_.data();
   // read through these from here on (inside the parallel region a thread_local names the running thread's own)
   const Chunks* const cuts = cut.data();
   const int64_t* const first_task = task0.data();
@@ -272,7 +371,9 @@ at::Tensor decode(const at::Tensor& q, const at::Tensor& kd, const E* K, const f
     // weights) of every (head, query head, key), each key's mask as an addend (0 / -inf) and a factor (1 / 0), and
     // per (head, key) the scores' factor (scale, times int8 K's scale) and int8 V's scale
     thread_local std::vector<float> scratch;
+    thread_local std::vector<int32_t> kp;  // a head of a K block turned for scores_int8
     scratch.resize(std::max<size_t>(scratch.size(), bs * row + (H * G + 2 + 2 * H) * chunk_keys));
+    if (q8_path) kp.resize(std::max<size_t>(kp.size(), D * 4));
     float* const xf = scratch.data();
     float* const S = xf + bs * row;
     float* const add = S + H * G * chunk_keys;
@@ -307,7 +408,7 @@ at::Tensor decode(const at::Tensor& q, const at::Tensor& kd, const E* K, const f
         const int64_t j = blocks[i], blk = T[b * nb + j];
         const bool* mrow = M ? M + b * L + j * bs : nullptr;
         const E* next = i + 1 < nblk ? K + T[b * nb + blocks[i + 1]] * bs * row : V + T[b * nb + blocks[0]] * bs * row;
-        to_float(K + blk * bs * row, xf, bs * row);
+        if (!q8_path) to_float(K + blk * bs * row, xf, bs * row);
         for (int64_t t = 0; t < bs; ++t) {
           const bool visible = !mrow || mrow[t];
           add[i * bs + t] = visible ? 0.f : ninf;
@@ -318,11 +419,19 @@ at::Tensor decode(const at::Tensor& q, const at::Tensor& kd, const E* K, const f
             by_head(KS + blk * bs * H + h, H, bs, sc, f + h * chunk_keys + i * bs);
             by_head(VS + blk * bs * H + h, H, bs, 1.f, vsh + h * chunk_keys + i * bs);
           }
-        for (int64_t h = 0; h < H; ++h)
+        for (int64_t h = 0; h < H; ++h) {
+          if (q8_path) {  // only int8 E: K's bytes as they are
+            fetch_share(next, block_bytes, h, per * G);
+            const int64_t r = (b * H + h) * G;
+            scores_int8(reinterpret_cast<const int8_t*>(K + blk * bs * row + h * D), row, D, q8 + r * D, qsum + r,
+                        qscale + r, G, S + h * G * chunk_keys + i * bs, chunk_keys, kp.data());
+            continue;
+          }
           for (int64_t g = 0; g < G; ++g) {
             fetch_share(next, block_bytes, h * G + g, per);
             dots(Q + ((b * H + h) * G + g) * D, xf + h * D, bs, D, row, S + (h * G + g) * chunk_keys + i * bs);
           }
+        }
         if (KS && i + 1 < nblk) {  // the next block's scales: a line or two each
           const int64_t nxt = T[b * nb + blocks[i + 1]];
           fetch_share(KS + nxt * bs * H, scale_bytes, 0, scale_bytes);
@@ -433,6 +542,7 @@ extern "C" AOTITorchError aoti_torch_cpu_decode_bf16(AtenTensorHandle q, AtenTen
 }
 
 TORCH_LIBRARY(tokenhaul_kv, m) {
+  m.def("int8_queries(int block_size, int head_dim) -> bool", &int8_queries);
   m.def("decode_int8(Tensor q, Tensor kd, Tensor ks, Tensor vd, Tensor vs, Tensor table, Tensor mask, "
         "float scale, int min_chunk_blocks) -> Tensor");
   m.def("decode_bf16(Tensor q, Tensor kd, Tensor vd, Tensor table, Tensor mask, float scale, "

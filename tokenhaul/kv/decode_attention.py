@@ -49,6 +49,13 @@ def available() -> bool:
                        parallel=True, shims=SHIMS)
 
 
+def int8_queries(block_size: int, head_dim: int) -> bool:
+    """Whether int8 caches of this shape score their keys with int8 queries (AVX-512 VNNI, blocks of 16, head dims
+    a multiple of 64: each query row rounded to q8 · max|q| / 127, to even, as llama.cpp rounds its Q for quantized
+    K); else in fp32."""
+    return available() and torch.ops.tokenhaul_kv.int8_queries(block_size, head_dim)
+
+
 def _args(q: torch.Tensor, block_table: torch.Tensor, mask: torch.Tensor | None,
           block_size: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     B, L = block_table.shape[0], block_table.shape[1] * block_size
