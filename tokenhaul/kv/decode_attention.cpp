@@ -4,8 +4,9 @@
 // block table, in place. Each 16-key block is converted to fp32 in an L1 buffer on the way in, every KV head at
 // once (a token's row of all heads is contiguous: one head's rows alone were two lines of every six); int8 blocks'
 // per-token scales are applied to the score (K) or the softmax weight (V), so no full-precision copy of the cache
-// is ever written. A sequence's keys are split into chunks across threads (online softmax per chunk and head,
-// merged at the end), so a single sequence still uses every thread.
+// is ever written. With AVX-512 VNNI, int8 K is not converted: the queries are rounded to int8 and the scores are
+// integer dot products (scores_int8). A sequence's keys are split into chunks across threads (a softmax per chunk
+// and head, merged at the end), so a single sequence still uses every thread.
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 #include <torch/csrc/inductor/aoti_torch/utils.h>

@@ -3,7 +3,8 @@ blocks with per-token scales) and `decode_bf16`.
 
 A small C++ kernel (decode_attention.cpp, built on first use: tokenhaul/native.py) reads each sequence's blocks
 through its block table and converts them in L1 (int8: the per-token scales applied to the scores and softmax
-weights), so no gathered or dequantized K/V is ever written.
+weights), so no gathered or dequantized K/V is ever written. Int8 keys on a CPU with AVX-512 VNNI are scored
+with int8 queries instead (`int8_queries`).
 Torch ops with fake implementations, so a compiled graph can call them too. Without a C++ compiler the engine
 falls back to gather-then-SDPA (one stderr line says so).
 """
