@@ -2,7 +2,8 @@
 
 For each option: weight and KV bytes per decoded token (ledger), decode tok/s at batch 1 and 8 at
 context 512 and 4096, perplexity (`eval ppl`'s harness, short windows; long windows for the KV rows),
-greedy agreement with the same bits dense (else the model's first row); then a fit of seconds per token
+greedy agreement at each context with the same bits dense (else the model's first row: int8 KV against bf16 KV
+at 4 k keys is the KV dtype's cost through the decode kernel); then a fit of seconds per token
 against bytes per token.
 The batch-8 rows at 4096 share one cached prefix (prefill once), each sequence still attends its own 4 k.
 
@@ -91,10 +92,10 @@ def run_option(model: str, quant: str, kv: str, sparsity: float, ref: dict | Non
         r1, s1, _ = decode_rate(llm, base[:1])
         r8, s8, toks = decode_rate(llm, base)
         row[f"tps_b1_{ctx}"], row[f"tps_b8_{ctx}"] = r1, r8
+        row[f"tokens_{ctx}"] = toks
         if ctx == 512:
             row["weight_bytes_per_token"] = s1["weight_bytes_per_token"]
             row["kv_bytes_per_token_512"] = s1["kv_bytes_per_token"]
-            row["tokens_512"] = toks
         else:
             row["kv_bytes_per_token_4096"] = s1["kv_bytes_per_token"]
     for ctx in (512, 4096)[len(CONTEXTS):]:  # not measured: blank cells
@@ -106,9 +107,9 @@ def run_option(model: str, quant: str, kv: str, sparsity: float, ref: dict | Non
         row["ppl"] = evaluate(llm, None, 1536, 512, 256)["perplexity"]
     if ppl and long_ppl:  # one 4096-token window of English prose: the KV dtype's effect at long context
         row["ppl_long"] = evaluate(llm, CORPUS_DIR / "en.txt", 4096, 4096, 4096)["perplexity"]
-    if ref is not None:
-        pairs = [(a, b) for ra, rb in zip(ref["tokens_512"], row["tokens_512"]) for a, b in zip(ra, rb)]
-        row["agreement"] = sum(a == b for a, b in pairs) / len(pairs)
+    for ctx in CONTEXTS if ref is not None else ():  # greedy tokens equal to the reference's, at each context
+        pairs = [(a, b) for ra, rb in zip(ref[f"tokens_{ctx}"], row[f"tokens_{ctx}"]) for a, b in zip(ra, rb)]
+        row["agreement" if ctx == 512 else f"agreement_{ctx}"] = sum(a == b for a, b in pairs) / len(pairs)
     row["seconds"] = time.perf_counter() - t0
     return row
 
@@ -224,14 +225,15 @@ def main() -> None:
         print(f"{model} {quant}/{kv}/{sp}: done in {r['seconds']:.0f} s; {r['kernels']}; compiled decode "
               f"{r['compiled_decode']}", flush=True)
     print("\n| model | quant | KV | sparsity | weight MB/tok | KV kB/tok @512 / @4096 | tok/s b1 512 | b8 512 | "
-          "b1 4096 | b8 4096 | ppl (512 win) | ppl (4096 win, en) | greedy agree |")
-    print("|---|---|---|---|---|---|---|---|---|---|---|---|---|")
+          "b1 4096 | b8 4096 | ppl (512 win) | ppl (4096 win, en) | greedy agree | @4096 |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
     for r in rows:
         print(f"| {r['model']} | {r['quantization']} | {r['kv_dtype']} | {r['sparsity']:g} | "
               f"{r['weight_bytes_per_token'] / 1e6:.1f} | {r['kv_bytes_per_token_512'] / 1e3:.0f} / "
               f"{r['kv_bytes_per_token_4096'] / 1e3:.0f} | {r['tps_b1_512']:.1f} | {r['tps_b8_512']:.1f} | "
               f"{r['tps_b1_4096']:.1f} | {r['tps_b8_4096']:.1f} | {r.get('ppl', float('nan')):.3f} | "
-              f"{r.get('ppl_long', float('nan')):.3f} | {r.get('agreement', 1.0):.2f} |")
+              f"{r.get('ppl_long', float('nan')):.3f} | {r.get('agreement', 1.0):.2f} | "
+              f"{r.get('agreement_4096', 1.0 if 4096 in CONTEXTS else float('nan')):.2f} |")
     for r in rows:
         if "kernel_rows_ratio" in r:
             print(f"kernel count {r['model']} {r['quantization']}/{r['kv_dtype']}/{r['sparsity']:g}: "
@@ -253,7 +255,7 @@ def main() -> None:
                     print(f"  outlier {r['quantization']}/{r['kv_dtype']}/{r['sparsity']:g} @{ctx}: "
                           f"{r[f'tps_b1_{ctx}']:.1f} tok/s vs {pred:.1f} predicted ({off:+.0%})")
     for r in rows:
-        r.pop("tokens_512", None)
+        r.pop("tokens_512", None), r.pop("tokens_4096", None)
     Path(args.json).write_text(json.dumps(rows, indent=1))
     print(f"\nJSON: {args.json}")
 
