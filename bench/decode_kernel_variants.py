@@ -22,6 +22,7 @@ import torch
 from torch.utils.cpp_extension import load
 
 from tokenhaul import native
+from tokenhaul.kv.int8 import quantize  # per-token-per-head scales, as the int8 cache stores them
 
 ROOT = Path(__file__).resolve().parent.parent
 SOURCE = "tokenhaul/kv/decode_attention.cpp"
@@ -39,12 +40,6 @@ def build(name: str, spec: str, workdir: Path):
     load(namespace, [str(file)], extra_cflags=[*native._flags()[1], "-fopenmp", *flags.split()],
          is_python_module=False)
     return getattr(torch.ops, namespace)
-
-
-def int8_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """x [N, bs, H, D] as int8 with per-token-per-head scales [N, bs, H], as the int8 KV cache stores it."""
-    scale = x.abs().amax(-1).clamp_min(1e-8) / 127
-    return (x / scale[..., None]).round().to(torch.int8), scale.float().contiguous()
 
 
 def main() -> None:
@@ -69,7 +64,7 @@ def main() -> None:
     bf16 = [tuple(torch.randn(pool, bs, hkv, d).bfloat16() for _ in range(2)) for _ in range(layers)]
     caches = {"bf16": bf16} if "bf16" in kvs else {}
     if "int8" in kvs:
-        caches["int8"] = [(*int8_rows(k.float()), *int8_rows(v.float())) for k, v in bf16]
+        caches["int8"] = [(*quantize(k.float()), *quantize(v.float())) for k, v in bf16]
     tables = [torch.randperm(pool)[:B * nb].view(B, nb) for _ in range(layers)]
     q = torch.randn(B, hkv, groups, d)
     ends = torch.tensor([args.context - 7 * i for i in range(B)])
