@@ -124,3 +124,24 @@ def test_generate_speculative_flags(capsys):
 def test_models_listing(capsys):
     code, out, _ = run_cli(capsys, "models")
     assert code == 0 and "smollm2-135m" in out and "(default)" in out
+
+
+def test_bad_decode_tail(capsys):
+    code, _, err = run_cli(capsys, "eval", "ppl", "--window", "64", "--stride", "32", "--decode-tail", "64")
+    assert_one_line_error(code, err, "--decode-tail must be >= 0 and < --window")
+
+
+@pytest.mark.real_model
+def test_eval_ppl_json_with_decode_tail(capsys):
+    """Int8 KV read through decode steps: the same targets scored as by prefill, perplexity close to it."""
+    base = ["eval", "ppl", "--max-tokens", "240", "--window", "80", "--stride", "40", "--json", "--kv-dtype", "int8",
+            "--compile", "off"]
+    code, out, _ = run_cli(capsys, *base)
+    assert code == 0
+    prefill = json.loads(out)
+    code, out, _ = run_cli(capsys, *base, "--decode-tail", "24")
+    assert code == 0
+    decoded = json.loads(out)
+    assert decoded["decode_tail"] == 24 and decoded["tokens"] == prefill["tokens"] == 3 * 79
+    assert set(decoded["parts"]) == {"en", "zh", "code"}
+    assert decoded["perplexity"] == pytest.approx(prefill["perplexity"], rel=0.05)

@@ -32,21 +32,33 @@ def corpus_ids(tokenizer, corpus: Path | None, max_tokens: int | None) -> dict[s
 
 
 @torch.inference_mode()
-def window_nll(llm, ids: list[int], window: int, stride: int) -> tuple[float, int]:
-    """Sum of -log p over ids[1:], each token scored once with up to `window` tokens of context."""
+def window_nll(llm, ids: list[int], window: int, stride: int, decode_tail: int = 0) -> tuple[float, int]:
+    """Sum of -log p over ids[1:] and its count, each token scored once with up to `window` tokens of context
+    (with stride == window, each window's first token is not scored: nothing precedes it there). A window's
+    last `decode_tail` tokens enter one per step as decodes (the path generation takes: the decode attention
+    kernel, the compiled step), the rest as one prefill chunk."""
     core, model = llm.core, llm.model
     total, count, scored_to = 0.0, 0, 1
     for begin in range(0, len(ids), stride):
         end = min(begin + window, len(ids))
-        core.add_request("ppl", ids[begin:end], SamplingParams(max_tokens=1))
+        scored_to = max(scored_to, begin + 1)  # windows that do not overlap: a window's first token has no context
+        tail = min(decode_tail, end - scored_to)  # never a target scored before
+        params = SamplingParams(max_tokens=tail + 1, ignore_eos=True)
+        core.add_request("ppl", ids[begin:end - tail], params)
         try:
-            inp = core.runner.prepare(core.scheduler.schedule())
-            assert inp.input_ids.shape[0] == end - begin, "a window must be one prefill chunk"
+            sched = core.scheduler.schedule()
+            inp = core.runner.prepare(sched)
+            assert inp.input_ids.shape[0] == end - tail - begin, "a window must be one prefill chunk"
             first = scored_to - begin  # rows of targets not yet scored
-            hidden = model.forward(inp.input_ids, inp.meta, core.kv)[first - 1:end - begin - 1]
-            logp = torch.log_softmax(model.compute_logits(hidden).float(), dim=-1)
-            targets = torch.tensor(ids[scored_to:end], device=logp.device)
-            total -= logp.gather(1, targets[:, None]).sum().item()
+            last = end - begin - 1 - max(tail, 1)  # the prefill's last scoring row predicts ids[end - max(tail, 1)]
+            hidden = model.forward(inp.input_ids, inp.meta, core.kv)[first - 1:last + 1]
+            logp = [torch.log_softmax(model.compute_logits(hidden).float(), dim=-1)]
+            for pos in range(end - tail, end - 1):  # feed ids[pos], score ids[pos + 1]
+                core.scheduler.update(sched, {"ppl": [ids[pos]]})
+                sched = core.scheduler.schedule()
+                logp.append(torch.log_softmax(core.runner.forward(core.runner.prepare(sched)), dim=-1))
+            targets = torch.tensor(ids[scored_to:end], device=logp[0].device)
+            total -= torch.cat(logp).gather(1, targets[:, None]).sum().item()
             count += end - scored_to
             scored_to = end
         finally:
@@ -57,13 +69,13 @@ def window_nll(llm, ids: list[int], window: int, stride: int) -> tuple[float, in
 
 
 def evaluate(llm, corpus: Path | None = None, max_tokens: int | None = None, window: int = 512,
-             stride: int = 256) -> dict:
+             stride: int = 256, decode_tail: int = 0) -> dict:
     """{"perplexity", "tokens", "parts": {name: {"perplexity", "tokens"}}, "seconds"} over the corpus."""
     t0 = time.perf_counter()
     parts = {}
     nll = n = 0
     for name, ids in corpus_ids(llm.tokenizer, corpus, max_tokens).items():
-        s, c = window_nll(llm, ids, window, stride)
+        s, c = window_nll(llm, ids, window, stride, decode_tail)
         parts[name] = {"perplexity": math.exp(s / c), "tokens": c}
         nll, n = nll + s, n + c
     return {"perplexity": math.exp(nll / n), "tokens": n, "parts": parts,
