@@ -42,7 +42,9 @@ class LLM:
             None, None)
         if self.config.sparsity:
             self._sparsify()
-        self.core = EngineCore(self.config, self.model, draft_model=self.draft_model, draft_prefill_model=draft_dense)
+        centers = self._key_centers() if self.config.kv_torch_dtype == torch.int8 else None
+        self.core = EngineCore(self.config, self.model, draft_model=self.draft_model, draft_prefill_model=draft_dense,
+                               key_centers=centers)
         self.costs = ModelCosts.from_model(
             self.model, KVCache.bytes_per_value(self.config.kv_torch_dtype, self.model.config.head_dim),
             self.config.deterministic)
@@ -59,6 +61,20 @@ class LLM:
             self.core = EngineCore(dataclasses.replace(c, compile="off", sparsity=0.0, itl_target_ms=0.0), self.model)
         sparsify(self.model, load_or_calibrate(self, c.sparsity), c.sparsity)
         self.core = None
+
+    def _key_centers(self) -> torch.Tensor:
+        """The int8 key cache's centers (kv/key_centers.py), from the model's cache dir, or calibrated now by an eager
+        scratch core with a float KV cache of a few blocks."""
+        from tokenhaul.kv.key_centers import load_or_calibrate, saved
+
+        c = self.config
+        if saved(self.files.cache_dir) is None:
+            blocks = -(-1024 // c.block_size)  # room for one 512-token window, twice over
+            self.core = EngineCore(dataclasses.replace(c, compile="off", kv_dtype="auto", itl_target_ms=0.0,
+                                                       num_kv_blocks=blocks), self.model)
+        centers = load_or_calibrate(self)
+        self.core = None
+        return centers
 
     def _load_draft(self, alias: str) -> tuple[Model, Model | None]:
         """Load a draft model and refuse it unless its tokenizer is the target's, token for token. A packed

@@ -30,7 +30,10 @@ def compiled_core(arch: str, quant: str, sparsity: float = 0.0, kv_dtype: str = 
         sparsify(model, dict.fromkeys(keys, 0.02), sparsity)
     cfg = EngineConfig(model="tiny", dtype="bf16", compile="on", num_kv_blocks=32, block_size=4, sparsity=sparsity,
                        kv_dtype=kv_dtype)
-    return EngineCore(cfg, model)
+    c = model.config  # int8 keys are stored less centers, the graph's inputs: far from zero, so a path that
+    centers = torch.randn(c.num_layers, c.num_kv_heads, c.head_dim,  # skipped them would disagree
+                          generator=torch.Generator().manual_seed(seed)) * 3
+    return EngineCore(cfg, model, key_centers=centers if kv_dtype == "int8" else None)
 
 
 @pytest.mark.parametrize("arch,quant,sparsity,kv_dtype", [
@@ -41,8 +44,8 @@ def test_compiled_step_matches_eager(arch, quant, sparsity, kv_dtype):
     """Each compiled batch-1 decode step is re-run eagerly on the same state; the logits agree. gemma3's
     sliding window (6) is crossed, and contexts span 3 to 8 blocks of 4. Sparse linears run their gathered
     kernel inside the graph, and its count of kept inputs (the ledger's check) still advances there. An int8
-    KV cache is written (quantized) and read by the int8 decode kernel inside the graph. The graph's argmax is
-    its logits' (the greedy token the decoder takes)."""
+    KV cache is written (quantized, less its key centers) and read by the int8 decode kernel inside the graph.
+    The graph's argmax is its logits' (the greedy token the decoder takes)."""
     core = compiled_core(arch, quant, sparsity, kv_dtype)
     assert core.kv.dtype == (torch.int8 if kv_dtype == "int8" else torch.bfloat16)
     sparse = [v for layer in core.runner.model.layers for v in vars(layer).values() if isinstance(v, SparseLinear)]

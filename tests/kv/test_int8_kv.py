@@ -34,13 +34,15 @@ def test_quantize_error_at_most_half_a_step(n, d, mag, seed):
     assert torch.equal(dequantize(q, s)[0, 0], torch.zeros(d))
 
 
-def _attend(kv_dtype, q, k, v, block_size, lengths, decode: bool):
+def _attend(kv_dtype, q, k, v, block_size, lengths, decode: bool, centers=None):
     """Write each sequence's keys through a prefill, then (decode) attend one query per sequence via a
-    gathered (batch > 1) or viewed (batch 1, consecutive blocks) read."""
+    gathered (batch > 1) or viewed (batch 1, consecutive blocks) read. centers: [Hkv, D] for int8 keys."""
     B = len(lengths)
     Hkv, D = k.shape[2], k.shape[3]
     nbs = [n // block_size + 1 for n in lengths]  # room for the decode token
     cache_k = KVCache(1, sum(nbs), block_size, Hkv, D, kv_dtype, "cpu")
+    if centers is not None:
+        cache_k.set_key_centers(centers[None])
     outs = []
     first = 0
     tables = []
@@ -88,6 +90,38 @@ def test_attention_int8_within_tolerance_of_bf16_and_fp32(lengths, decode):
     assert rel(i8) < 0.015
     assert float((i8 - ref).abs().max()) < 0.03 * float(v.abs().max())
     assert rel(i8) < 8 * rel(half)
+
+
+@pytest.mark.parametrize("lengths,decode", [([37], False), ([37], True), ([5, 29, 16], True)])
+def test_key_centers_keep_attention_and_shrink_its_int8_error(lengths, decode):
+    """Keys with channels far from zero (as Qwen2.5's: a mean of ~145 against an RMS of ~35): stored less their mean,
+    attention is the same function (prefill and decode reads, the kernel's included), and its int8 error falls to
+    the tolerance above, where uncentered keys miss it by far."""
+    g = torch.Generator().manual_seed(1)
+    B, n, H, Hkv, D = len(lengths), max(lengths) + 1, 6, 2, 64
+    offset = torch.zeros(Hkv, D)
+    offset[:, :4] = torch.tensor([60.0, -45.0, 30.0, 50.0])
+    q, k, v = torch.randn(B, n, H, D, generator=g), torch.randn(B, n, Hkv, D, generator=g) * 2 + offset, \
+        torch.randn(B, n, Hkv, D, generator=g)
+    ref = _attend(torch.float32, q, k, v, 8, lengths, decode)
+    shifted = _attend(torch.float32, q, k - offset, v, 8, lengths, decode)
+    assert torch.allclose(shifted, ref, atol=1e-4)  # the invariance the centers rest on
+    plain = _attend(torch.int8, q, k, v, 8, lengths, decode)
+    centered = _attend(torch.int8, q, k, v, 8, lengths, decode, centers=k.flatten(0, 1).mean(0))
+    rel = lambda o: float((o - ref).norm() / ref.norm())  # noqa: E731
+    assert rel(centered) < 0.015 < rel(plain)
+    assert rel(centered) < rel(plain) / 3
+
+
+def test_key_centers_only_for_int8_keys():
+    cache = KVCache(2, 4, 4, 2, 16, torch.int8, "cpu")
+    assert all(k.center is not None for k in cache.k) and all(v.center is None for v in cache.v)
+    centers = torch.randn(2, 2, 16)
+    cache.set_key_centers(centers)
+    assert torch.equal(torch.stack([k.center for k in cache.k]), centers)
+    with pytest.raises(ValueError, match="key centers of shape"):
+        cache.set_key_centers(torch.zeros(3, 2, 16))
+    KVCache(2, 4, 4, 2, 16, torch.bfloat16, "cpu").set_key_centers(centers)  # float caches store keys as they are
 
 
 def test_kv_bytes_per_token_int8_vs_bf16():
@@ -161,3 +195,48 @@ def test_cli_bad_kv_dtype_one_line(capsys):
         main(["generate", "--prompt", "hi", "--kv-dtype", "int3"])
     err = capsys.readouterr().err.strip().splitlines()
     assert e.value.code == 2 and len(err) == 1 and err[0].startswith("error: unknown --kv-dtype 'int3'")
+
+
+def test_calibrated_key_centers_are_the_mean_key(tiny_core, monkeypatch):
+    """kv/key_centers.calibrate against an independent count: every key the layers write during the same
+    prefills, caught where attention stores them."""
+    from types import SimpleNamespace
+
+    from tokenhaul.kv.key_centers import calibrate
+    from tokenhaul.layers import attention
+
+    core = tiny_core(num_kv_blocks=512, max_num_batched_tokens=512)
+    written: dict[int, list[torch.Tensor]] = {i: [] for i in range(len(core.kv.k))}
+    store = attention._write
+
+    def spy(cache, slots, x):
+        for i, k in enumerate(core.kv.k):
+            if cache is k:
+                written[i].append(x.detach().clone())
+        store(cache, slots, x)
+
+    monkeypatch.setattr(attention, "_write", spy)
+    text_ids = SimpleNamespace(encode=lambda text: [ord(ch) % 97 for ch in text])  # the tiny model's vocabulary
+    centers = calibrate(SimpleNamespace(core=core, model=core.model, tokenizer=text_ids))
+    expected = torch.stack([torch.cat(xs).mean(0) for xs in written.values()])
+    assert centers.shape == (2, 2, 16) and torch.allclose(centers, expected, atol=1e-5)
+    assert core.pool.num_free == core.pool.num_blocks
+
+
+@pytest.mark.real_model
+def test_real_model_key_centers_calibrated_once_and_used():
+    from tokenhaul.kv.key_centers import centers_path, saved
+    from tokenhaul.llm import LLM
+    from tokenhaul.models.catalog import resolve
+
+    centers_path(resolve("smollm2-135m").cache_dir).unlink(missing_ok=True)
+    llm = LLM("smollm2-135m", kv_dtype="int8", compile="off")
+    stored = saved(llm.files.cache_dir)
+    assert stored is not None and stored.abs().max() > 0
+    assert torch.equal(torch.stack([k.center for k in llm.core.kv.k]), stored)
+    written = centers_path(llm.files.cache_dir).stat().st_mtime_ns
+    again = LLM("smollm2-135m", kv_dtype="int8", compile="off")  # from the cache dir: equal, not recalibrated
+    assert torch.equal(torch.stack([k.center for k in again.core.kv.k]), stored)
+    assert centers_path(llm.files.cache_dir).stat().st_mtime_ns == written
+    text = again.generate("The capital of France is", SamplingParams(max_tokens=8, temperature=0))[0].text
+    assert "Paris" in text

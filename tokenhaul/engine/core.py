@@ -84,15 +84,18 @@ def make_cache(config: EngineConfig, model: Model, num_blocks: int) -> KVCache:
 class EngineCore:
     def __init__(self, config: EngineConfig, model: Model, observer: StepObserver | None = None,
                  draft_model: Model | None = None, step_time: StepTimeModel | None = None,
-                 draft_prefill_model: Model | None = None) -> None:
+                 draft_prefill_model: Model | None = None, key_centers: torch.Tensor | None = None) -> None:
         """step_time: the model that sizes chunks under config.itl_target_ms (default: this machine's
         calibration, measured now if not cached). draft_prefill_model: a packed draft's dense copy, for its
-        long catch-up steps (decoding/speculative.py)."""
+        long catch-up steps (decoding/speculative.py). key_centers: [layers, Hkv, D] an int8 key cache subtracts
+        (kv/key_centers.py; default zeros)."""
         self.config = config
         self.model = model
         self.observer = observer
         num_blocks = kv_blocks_for(config, model, draft_model)
         self.kv = make_cache(config, model, num_blocks)
+        if key_centers is not None:
+            self.kv.set_key_centers(key_centers.to(self.kv.device))
         self.pool = BlockPool(num_blocks, config.block_size)
         self.prefix_cache = PrefixCache(self.pool, config.enable_prefix_caching)
         max_len = min(config.max_model_len, model.config.max_position)

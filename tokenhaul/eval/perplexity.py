@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import math
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import torch
@@ -52,11 +53,8 @@ def window_nll(llm, ids: list[int], window: int, stride: int, decode_tail: int =
             first = scored_to - begin  # rows of targets not yet scored
             last = end - begin - 1 - max(tail, 1)  # the prefill's last scoring row predicts ids[end - max(tail, 1)]
             hidden = model.forward(inp.input_ids, inp.meta, core.kv)[first - 1:last + 1]
-            logp = [torch.log_softmax(model.compute_logits(hidden).float(), dim=-1)]
-            for pos in range(end - tail, end - 1):  # feed ids[pos], score ids[pos + 1]
-                core.scheduler.update(sched, {"ppl": [ids[pos]]})
-                sched = core.scheduler.schedule()
-                logp.append(torch.log_softmax(core.runner.forward(core.runner.prepare(sched)), dim=-1))
+            logp = [torch.log_softmax(model.compute_logits(hidden).float(), dim=-1),
+                    *teacher_forced(core, sched, "ppl", ids[end - tail:end - 1])]  # each scores the next id
             targets = torch.tensor(ids[scored_to:end], device=logp[0].device)
             total -= torch.cat(logp).gather(1, targets[:, None]).sum().item()
             count += end - scored_to
@@ -66,6 +64,15 @@ def window_nll(llm, ids: list[int], window: int, stride: int, decode_tail: int =
         if end == len(ids):
             break
     return total, count
+
+
+def teacher_forced(core, sched, request_id: str, tokens: list[int]) -> Iterator[torch.Tensor]:
+    """After step `sched` computed request_id's last token, feed `tokens` one per decode step as if it had
+    generated them; yields each step's log-probabilities [1, vocab] (fp32). The request must allow that many."""
+    for tok in tokens:
+        core.scheduler.update(sched, {request_id: [tok]})
+        sched = core.scheduler.schedule()
+        yield torch.log_softmax(core.runner.forward(core.runner.prepare(sched)), dim=-1)
 
 
 def evaluate(llm, corpus: Path | None = None, max_tokens: int | None = None, window: int = 512,

@@ -1,7 +1,8 @@
 """KVCache: the tensor storage behind the block pool — per layer, [num_blocks, block_size, Hkv, D].
 
 Float dtypes store K/V as plain tensors; torch.int8 stores `Int8Blocks` (int8 values + per-token-per-head
-scales, kv/int8.py), which layers/attention.py dequantizes only for the blocks a step reads."""
+scales, kv/int8.py), which layers/attention.py dequantizes only for the blocks a step reads. Int8 keys are
+stored less per-layer centers (`set_key_centers`), which leaves attention unchanged."""
 
 from __future__ import annotations
 
@@ -21,13 +22,13 @@ class KVCache:
         self.dtype = dtype
         shape = (num_blocks, block_size, num_kv_heads, head_dim)
 
-        def make() -> KVLayer:
+        def make(keys: bool) -> KVLayer:
             if dtype == torch.int8:
-                return Int8Blocks(*shape, device, alloc)
+                return Int8Blocks(*shape, device, alloc, centered=keys)
             return alloc(shape, dtype=dtype, device=device)
 
-        self.k: list[KVLayer] = [make() for _ in range(num_layers)]
-        self.v: list[KVLayer] = [make() for _ in range(num_layers)]
+        self.k: list[KVLayer] = [make(True) for _ in range(num_layers)]
+        self.v: list[KVLayer] = [make(False) for _ in range(num_layers)]
 
     @classmethod
     def like(cls, kv: KVCache, alloc=torch.zeros) -> KVCache:
@@ -44,6 +45,16 @@ class KVCache:
                         dtype: torch.dtype) -> int:
         values = 2 * num_layers * block_size * num_kv_heads * head_dim
         return round(values * KVCache.bytes_per_value(dtype, head_dim))
+
+    def set_key_centers(self, centers: torch.Tensor) -> None:
+        """centers: [num_layers, Hkv, D], copied in place into int8 key layers (a compiled step holds them)."""
+        if self.dtype != torch.int8:
+            return
+        if centers.shape != (len(self.k), self.num_kv_heads, self.head_dim):
+            raise ValueError(f"key centers of shape {tuple(centers.shape)} for a cache of {len(self.k)} layers, "
+                             f"{self.num_kv_heads} KV heads of {self.head_dim}")
+        for layer, c in zip(self.k, centers):
+            layer.center.copy_(c)
 
     def copy_block(self, src: int, dst: int) -> None:
         """Copy-on-write support: duplicate one block's K/V (and int8 scales) in every layer."""
