@@ -87,6 +87,8 @@ def options_line(llm) -> str:
     """The byte-saving options a run used, for reports: compute dtype and KV cache dtype with its bytes."""
     c = llm.config
     kv = str(c.kv_torch_dtype).removeprefix("torch.")
+    if kv == "int8":
+        kv += ", keys less their channel centers"
     return (f"{llm.files.name} quantization {c.quantization}, dtype {c.dtype}, kv {c.kv_dtype} → {kv} "
             f"({llm.costs.kv_bytes_per_token / 1e3:.1f} kB KV per token), sparsity {c.sparsity:g}")
 

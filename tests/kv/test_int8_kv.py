@@ -240,3 +240,6 @@ def test_real_model_key_centers_calibrated_once_and_used():
     assert centers_path(llm.files.cache_dir).stat().st_mtime_ns == written
     text = again.generate("The capital of France is", SamplingParams(max_tokens=8, temperature=0))[0].text
     assert "Paris" in text
+    from tokenhaul.cli import options_line
+
+    assert "kv int8 → int8, keys less their channel centers (" in options_line(again)
