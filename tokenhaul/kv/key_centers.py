@@ -7,6 +7,7 @@ through a scratch engine core whose KV cache holds float keys."""
 
 from __future__ import annotations
 
+import os
 import time
 from pathlib import Path
 
@@ -67,7 +68,7 @@ def load_or_calibrate(llm) -> torch.Tensor:
         centers = calibrate(llm)
         path = centers_path(llm.files.cache_dir)
         path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = path.with_suffix(".tmp")
+        tmp = path.with_suffix(f".{os.getpid()}.tmp")  # replicas starting together each write their own
         save_file({"centers": centers}, str(tmp), metadata={"version": VERSION, "model": llm.files.name,
                                                           "seconds": f"{time.perf_counter() - t0:.1f}"})
         tmp.replace(path)
