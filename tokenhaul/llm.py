@@ -65,15 +65,16 @@ class LLM:
     def _key_centers(self) -> torch.Tensor:
         """The int8 key cache's centers (kv/key_centers.py), from the model's cache dir, or calibrated now by an eager
         scratch core with a float KV cache of a few blocks."""
-        from tokenhaul.kv.key_centers import load_or_calibrate, saved
+        from tokenhaul.kv.key_centers import calibrate_and_save, saved
 
-        c = self.config
-        if saved(self.files.cache_dir) is None:
+        centers = saved(self.files.cache_dir)
+        if centers is None:
+            c = self.config
             blocks = -(-1024 // c.block_size)  # room for one 512-token window, twice over
             self.core = EngineCore(dataclasses.replace(c, compile="off", kv_dtype="auto", itl_target_ms=0.0,
                                                        num_kv_blocks=blocks), self.model)
-        centers = load_or_calibrate(self)
-        self.core = None
+            centers = calibrate_and_save(self)
+            self.core = None
         return centers
 
     def _load_draft(self, alias: str) -> tuple[Model, Model | None]:

@@ -60,16 +60,14 @@ def saved(cache_dir: Path) -> torch.Tensor | None:
     return load_file(str(path))["centers"]
 
 
-def load_or_calibrate(llm) -> torch.Tensor:
-    """The centers from the model's cache dir, or calibrated now through llm.core (and saved)."""
-    centers = saved(llm.files.cache_dir)
-    if centers is None:
-        t0 = time.perf_counter()
-        centers = calibrate(llm)
-        path = centers_path(llm.files.cache_dir)
-        path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = path.with_suffix(f".{os.getpid()}.tmp")  # replicas starting together each write their own
-        save_file({"centers": centers}, str(tmp), metadata={"version": VERSION, "model": llm.files.name,
-                                                          "seconds": f"{time.perf_counter() - t0:.1f}"})
-        tmp.replace(path)
+def calibrate_and_save(llm) -> torch.Tensor:
+    """`calibrate` through llm.core (a scratch core with a float KV cache), saved in the model's cache dir."""
+    t0 = time.perf_counter()
+    centers = calibrate(llm)
+    path = centers_path(llm.files.cache_dir)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_suffix(f".{os.getpid()}.tmp")  # replicas starting together each write their own
+    save_file({"centers": centers}, str(tmp), metadata={"version": VERSION, "model": llm.files.name,
+                                                      "seconds": f"{time.perf_counter() - t0:.1f}"})
+    tmp.replace(path)
     return centers
