@@ -33,6 +33,7 @@ from pathlib import Path
 import torch
 
 from tokenhaul import native
+from tokenhaul.atomic import atomic_path
 from tokenhaul.config import EngineConfig
 from tokenhaul.engine import step_state
 from tokenhaul.engine.step_state import Slot, bound, tensor_slots
@@ -171,9 +172,8 @@ class CompiledDecode:
             raise RuntimeError(f"the decode step writes model tensors: {ep.graph_signature.buffers_to_mutate}")
         options = OPTIONS | {"aot_inductor.custom_ops_to_c_shims": native.c_shims()}
         path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = path.with_suffix(f".{os.getpid()}.tmp.pt2")
-        torch._inductor.aoti_compile_and_package(ep, package_path=str(tmp), inductor_configs=options)
-        tmp.replace(path)
+        with atomic_path(path, suffix=".pt2") as tmp:  # the packager wants a name ending in .pt2
+            torch._inductor.aoti_compile_and_package(ep, package_path=str(tmp), inductor_configs=options)
 
     def _load(self, path: Path) -> Step:
         """The package's step, the model's tensors loaded into it as constants, by pointer."""

@@ -11,13 +11,13 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import os
 import time
 from pathlib import Path
 from typing import TYPE_CHECKING
 
 import torch
 
+from tokenhaul.atomic import atomic_path
 from tokenhaul.engine.request import Request
 from tokenhaul.engine.scheduler import SchedulerOutput, chunk
 from tokenhaul.engine.step_time import StepShape, StepTimeModel, default_knots
@@ -144,9 +144,8 @@ def load_or_calibrate(core: EngineCore, root: Path | None = None) -> StepTimeMod
             model = calibrate(core)
             table[key] = model.to_dict() | {"measured_at": time.time(), "measure_seconds": time.perf_counter() - t}
             path.parent.mkdir(parents=True, exist_ok=True)
-            tmp = path.with_suffix(f".{os.getpid()}.tmp")
-            tmp.write_text(json.dumps(table, indent=1, sort_keys=True))
-            tmp.replace(path)
+            with atomic_path(path) as tmp:
+                tmp.write_text(json.dumps(table, indent=1, sort_keys=True))
             _memo[memo] = model
     return StepTimeModel.from_dict(_memo[memo].to_dict())  # a fresh scale per core
 

@@ -7,7 +7,6 @@ through a scratch engine core whose KV cache holds float keys."""
 
 from __future__ import annotations
 
-import os
 import time
 from pathlib import Path
 
@@ -15,6 +14,7 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
+from tokenhaul.atomic import atomic_path
 from tokenhaul.layers.sparse_calibration import sample_ids
 from tokenhaul.sampling_params import SamplingParams
 
@@ -66,8 +66,7 @@ def calibrate_and_save(llm) -> torch.Tensor:
     centers = calibrate(llm)
     path = centers_path(llm.files.cache_dir)
     path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_suffix(f".{os.getpid()}.tmp")  # replicas starting together each write their own
-    save_file({"centers": centers}, str(tmp), metadata={"version": VERSION, "model": llm.files.name,
-                                                      "seconds": f"{time.perf_counter() - t0:.1f}"})
-    tmp.replace(path)
+    with atomic_path(path) as tmp:  # replicas starting together each write their own
+        save_file({"centers": centers}, str(tmp), metadata={"version": VERSION, "model": llm.files.name,
+                                                          "seconds": f"{time.perf_counter() - t0:.1f}"})
     return centers

@@ -12,6 +12,7 @@ from pathlib import Path
 
 import torch
 
+from tokenhaul.atomic import atomic_path
 from tokenhaul.eval.perplexity import CORPUS_DIR, PARTS
 from tokenhaul.layers.linear_sparse import SPARSE_LINEARS
 from tokenhaul.sampling_params import SamplingParams
@@ -108,7 +109,6 @@ def load_or_calibrate(llm, sparsity: float, force: bool = False) -> dict[str, fl
                 "sample": f"last {TOKENS_PER_PART} tokens of each of {', '.join(PARTS)} (tokenhaul/eval/corpus)",
                 "seconds": round(time.perf_counter() - t0, 1)}
         path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = path.with_suffix(".tmp")
-        tmp.write_text(json.dumps(data, indent=1))
-        tmp.replace(path)
+        with atomic_path(path) as tmp:
+            tmp.write_text(json.dumps(data, indent=1))
     return data["levels"][key]

@@ -11,6 +11,7 @@ import sys
 from dataclasses import dataclass
 from pathlib import Path
 
+from tokenhaul.atomic import atomic_path
 from tokenhaul.errors import ModelError
 
 GGUF_MAGIC = b"GGUF"
@@ -135,13 +136,11 @@ def _verified(path: Path, sha: str, stamp: Path) -> bool:
 
 
 def _join(parts: list[Path], target: Path) -> None:
-    tmp = target.with_suffix(".joining")
-    with tmp.open("wb") as out:
+    with atomic_path(target) as tmp, tmp.open("wb") as out:
         for p in parts:
             with p.open("rb") as f:
                 while block := f.read(1 << 22):
                     out.write(block)
-    tmp.replace(target)
 
 
 def resolve(model: str) -> ModelFiles:

@@ -5,12 +5,12 @@ device type, and the torch version + CPU capability (the packed int4 layout is t
 
 from __future__ import annotations
 
-import os
 from pathlib import Path
 
 import torch
 from safetensors.torch import load_file, save_file
 
+from tokenhaul.atomic import atomic_path
 from tokenhaul.layers.linear import Linear
 from tokenhaul.layers.quantization import QuantSpec
 
@@ -45,10 +45,9 @@ class WeightCache:
         """Write every converted linear (atomically: a half-written file is never read)."""
         flat = {f"{name}/{k}": v.detach().cpu().contiguous() for name, lin in linears.items()
                 for k, v in lin.state().items()}
-        tmp = self.path.with_suffix(f".tmp{os.getpid()}")
         try:
             self.path.parent.mkdir(parents=True, exist_ok=True)
-            save_file(flat, str(tmp), metadata={name: lin.format for name, lin in linears.items()})
-            os.replace(tmp, self.path)
+            with atomic_path(self.path) as tmp:
+                save_file(flat, str(tmp), metadata={name: lin.format for name, lin in linears.items()})
         except OSError:
-            tmp.unlink(missing_ok=True)  # a read-only cache dir: run without the cache
+            pass  # a read-only cache dir: run without the cache

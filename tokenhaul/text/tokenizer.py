@@ -16,6 +16,7 @@ from jinja2.ext import loopcontrols
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 from tokenizers import Tokenizer as Backend
 
+from tokenhaul.atomic import atomic_path
 from tokenhaul.errors import ModelError, RequestError
 from tokenhaul.models.gguf_file import GGUFFile
 
@@ -79,11 +80,10 @@ class Tokenizer:
             pass
         backend, meta = _build(gguf_path, source)
         cache_dir.mkdir(parents=True, exist_ok=True)
-        tmp = f".{os.getpid()}.tmp"
-        backend.save(str(json_path) + tmp)
-        os.replace(str(json_path) + tmp, json_path)
-        Path(str(meta_path) + tmp).write_text(json.dumps(asdict(meta)))
-        os.replace(str(meta_path) + tmp, meta_path)  # written last: marks the cache complete
+        with atomic_path(json_path) as tmp:
+            backend.save(str(tmp))
+        with atomic_path(meta_path) as tmp:  # written last: marks the cache complete
+            tmp.write_text(json.dumps(asdict(meta)))
         return cls(backend, meta, name)
 
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:

@@ -7,12 +7,12 @@ the ledger calls: it measures (a few seconds) only when no entry exists."""
 from __future__ import annotations
 
 import json
-import os
 import time
 from pathlib import Path
 
 import torch
 
+from tokenhaul.atomic import atomic_path
 from tokenhaul.host import cpu_model
 from tokenhaul.models.catalog import cache_root
 from tokenhaul.whatif import clock
@@ -82,9 +82,8 @@ def store_entry(key: str, entry: dict, root: Path | None = None) -> None:
     table = _load(path)
     table[key] = entry
     path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_suffix(f".{os.getpid()}.tmp")
-    tmp.write_text(json.dumps(table, indent=1, sort_keys=True))
-    tmp.replace(path)
+    with atomic_path(path) as tmp:
+        tmp.write_text(json.dumps(table, indent=1, sort_keys=True))
 
 
 def calibrate(device: str = "cpu", root: Path | None = None, **measure_kw) -> tuple[Roofline, dict]:
