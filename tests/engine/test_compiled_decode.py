@@ -88,9 +88,11 @@ def test_compiled_step_matches_eager(arch, quant, sparsity, kv_dtype):
     # bf16 rounding: 3 % of the largest logit. int4 with 8-bit activations (one row): the graph's bf16 inputs
     # differ from eager's by rounding, and quantizing each to 8 bits per 16 inputs turns that into whole steps of
     # max|x| / 127 on some inputs — seen up to 3.5 % on this tiny random model (the real models' greedy agreement
-    # with fp32 is tests/models/test_packed_real.py)
+    # with fp32 is tests/models/test_packed_real.py). Sparse linears likewise: an input within rounding of its
+    # threshold is kept on one path and zeroed on the other (int8 at 0.4 on an AVX2 host: one step of 23 at 3.2 %,
+    # the rest under 2.6 %; dense int8 under 2 %)
     eight_bit = quant == "int4" and int4_gemv.eight_bit_activations(1, 32, 64)
-    assert max(compared) < (0.06 if eight_bit else 0.03), compared
+    assert max(compared) < (0.06 if eight_bit or sparsity else 0.03), compared
     assert all(c >= len(sparse) for c in counted) if sparse else set(counted) == {0}
 
 
