@@ -179,7 +179,8 @@ def table(res: dict) -> str:
         t = e["tokenhaul"]
         lc = e["llama.cpp"]["decode_1"]
         for mode, m in t.get("compile", {}).items():
-            comp = f", compile {m['compile_s']:.1f} s" if m["compile_s"] else ""
+            comp = (f", compile {m['compile_s']:.1f} s" if m["compile_s"] else "" if mode == "off"
+                    else ", **eager**: no saved step yet (`--compile auto` saves it at exit)")
             lines.append(f"| {model} | decode 1, --compile {mode} (load {m['load_s']:.1f} s{comp}) | "
                          f"{m['decode_1']:.1f} | {lc:.1f} | {m['decode_1'] / lc:.2f}× | | |")
         per_round = ", ".join(f"{f:.0%}" for f in t["roofline_fraction_1_rounds"])
