@@ -236,6 +236,39 @@ def test_int4_gemv_many_rows_in_tiles_as_if_each_row_were_alone(group):
     assert ((alone.double() - exact).abs() <= 2 ** -8 * exact.abs() + 1e-4 * terms).all()
 
 
+@pytest.mark.parametrize("group", [32, 64, 128])
+def test_int4_gemv_panels_give_a_row_the_same_bits_in_any_batch(group):
+    """From PANEL_ROWS rows, on AVX2 hosts (32-row blocks), the GEMV sums 6-row x 16-output tiles on weights
+    dequantized to fp32 a panel at a time (int4_gemv.cpp panel_blocks): a row's output is the same, to the bit,
+    wherever it sits in a batch of that path and at any thread count (tile remainders, x cut in chunks of 192
+    rows, K in chunks of 128 inputs), and within fp32 rounding of x @ dequant^T (bf16: and of the output)."""
+    from tokenhaul.layers import int4_gemv
+
+    if block_n() != 32:
+        pytest.skip("32-row blocks (AVX2 hosts) only")
+    g = torch.Generator().manual_seed(group)
+    n, k = 100, group * 5
+    lin = Int4Linear.build([torch.randn(n, k, generator=g)], None, torch.bfloat16, CPU, group)
+    deq = lin.dequantize().double()
+    x = torch.randn(203, k, generator=g) * torch.rand(203, 1, generator=g) * 4
+    gemv = torch.ops.tokenhaul_int4.gemv
+    before = torch.get_num_threads()
+    try:
+        for xs in (x, x.bfloat16()):
+            torch.set_num_threads(2)
+            full = gemv(xs, lin.weight, lin.scales_zeros, group, lin.block)[:, :n]
+            ref = xs.double() @ deq.t()
+            terms = xs.double().abs() @ deq.abs().t()
+            assert ((full.double() - ref).abs() <= 2 ** -8 * ref.abs() * (xs.dtype != torch.float32)
+                    + 1e-4 * terms).all()
+            for threads, start, m in ((1, 0, int4_gemv.PANEL_ROWS), (3, 5, 13), (2, 190, 13), (1, 7, 196)):
+                torch.set_num_threads(threads)
+                part = gemv(xs[start:start + m], lin.weight, lin.scales_zeros, group, lin.block)[:, :n]
+                assert torch.equal(part, full[start:start + m]), (threads, start, m)
+    finally:
+        torch.set_num_threads(before)
+
+
 def test_int4_linear_takes_the_gemv_at_few_rows(monkeypatch):
     """Calls of up to `gemv_rows` rows go through the C++ GEMV, more rows through int4pack; the batch-invariant
     setting (max_rows None) keeps int4pack at every row count."""

@@ -13,7 +13,9 @@
 // activations (bf16 activations of 1 or 2 rows: VPDPBUSD with AVX-512 VNNI, else VPMADDUBSW, the same quantized
 // sums; of 3 or more rows with AVX-512 VNNI, in tiles of rows). Within a way each row goes through the same
 // operations whatever the row count, so a row's result depends on its batch only through which way its row count
-// takes (with AVX-512 VNNI there is one way for every row count the engine sends here). Work is split evenly over
+// takes (with AVX-512 VNNI there is one way for every row count the engine sends here). From PANEL_ROWS rows with
+// 32-row blocks (AVX2 hosts) the FMAs run on weights dequantized to fp32 a panel at a time (panel_blocks), each
+// thread taking whole blocks. Otherwise work is split evenly over
 // threads in (block, group) units; a large weight's share of a thread is cut in parts walked together (more
 // streams in flight), each part in memory order with the scales of a unit a few ahead prefetched; a block two parts
 // share is summed after the parallel region.
@@ -190,6 +192,112 @@ void block_rows(const Problem& p, int64_t b, int64_t g, int64_t m0, float* out) 
   }
 }
 
+// Three or more rows with AVX2 FMAs, 32-row blocks (torch's AVX2 layout): each block's codes dequantized to fp32
+// KC inputs at a time, w = q · s + (z - 8 s), into two 16-row panels in L1 (the low and the high nibbles), then
+// x W^T summed by 6 rows × 16 outputs in registers over the whole of K: no per-group epilogue, and each weight
+// converted once for all the rows (the 6 × 16 FMA kernel of BLAS's AVX2 GEMMs). A row's sums run the same
+// operations in the same order whatever the number of rows.
+constexpr int64_t KC = 128;  // inputs per panel chunk: two panels of 8 KB, six rows of x 3 KB
+#ifndef PANEL_ROWS
+#define PANEL_ROWS 12  // from DRAM, 2 threads, against block_rows: 8 rows 0.8-0.9x, 16 rows 1.0-1.3x, 128 1.3x
+#endif  // (int4_gemv.py PANEL_ROWS says the same)
+
+// lo / hi [kc][16] = the block's rows 0-15 / 16-31 dequantized, inputs k0 .. k0 + kc (kc a multiple of group)
+inline void dequant_chunk(const Problem& p, int64_t blk, int64_t k0, int64_t kc, float* lo, float* hi) {
+  const __m128i low4 = _mm_set1_epi8(15);
+  const __m256i high16 = _mm256_set1_epi32(static_cast<int>(0xffff0000u));
+  const __m256 eight = _mm256_set1_ps(8.0f);
+  const uint8_t* src = p.w + (blk * p.k + k0) * 16;
+  const int r0 = static_cast<int>(blk & 1) * 32;  // the block's first row in its 64-row unit
+  for (int64_t kk = 0; kk < kc; kk += p.group) {
+    const uint16_t* szb = unit_scales(p, (k0 + kk) / p.group, blk / 2) + r0 * 2;
+    __m256 s[4], z[4];  // rows 0-7, 8-15, 16-23, 24-31
+#pragma GCC unroll 4
+    for (int j = 0; j < 4; ++j) {
+      const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(szb + j * 16));
+      s[j] = _mm256_castsi256_ps(_mm256_slli_epi32(v, 16));
+      z[j] = _mm256_fnmadd_ps(eight, s[j], _mm256_castsi256_ps(_mm256_and_si256(v, high16)));
+    }
+    for (int64_t i = kk; i < kk + p.group; ++i, src += 16) {
+#if PREFETCH
+      _mm_prefetch(reinterpret_cast<const char*>(src) + PREFETCH, PREFETCH_HINT);
+#endif
+      const __m128i v = _mm_loadu_si128(reinterpret_cast<const __m128i*>(src));
+      const __m128i l = _mm_and_si128(v, low4), h = _mm_and_si128(_mm_srli_epi16(v, 4), low4);
+      const __m128i q[4] = {l, _mm_unpackhi_epi64(l, l), h, _mm_unpackhi_epi64(h, h)};
+#pragma GCC unroll 4
+      for (int j = 0; j < 4; ++j) {
+        const __m256 w = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(q[j])), s[j], z[j]);
+        _mm256_store_ps((j < 2 ? lo : hi) + i * 16 + (j & 1) * 8, w);
+      }
+    }
+  }
+}
+
+// out[TM][ldo] (+)= TM rows of x [.][ldx] × a panel [kc][16]; `first`: out not yet written
+template <int TM>
+inline void panel_rows(const float* x, int64_t ldx, const float* panel, int64_t kc, float* out, int64_t ldo,
+                       bool first) {
+  __m256 acc[TM][2];
+#pragma GCC unroll 6
+  for (int m = 0; m < TM; ++m)
+#pragma GCC unroll 2
+    for (int h = 0; h < 2; ++h) acc[m][h] = first ? _mm256_setzero_ps() : _mm256_loadu_ps(out + m * ldo + h * 8);
+  for (int64_t i = 0; i < kc; ++i) {
+    const __m256 w0 = _mm256_load_ps(panel + i * 16), w1 = _mm256_load_ps(panel + i * 16 + 8);
+#pragma GCC unroll 6
+    for (int m = 0; m < TM; ++m) {
+      const __m256 xv = _mm256_broadcast_ss(x + m * ldx + i);
+      acc[m][0] = _mm256_fmadd_ps(w0, xv, acc[m][0]);
+      acc[m][1] = _mm256_fmadd_ps(w1, xv, acc[m][1]);
+    }
+  }
+#pragma GCC unroll 6
+  for (int m = 0; m < TM; ++m)
+#pragma GCC unroll 2
+    for (int h = 0; h < 2; ++h) _mm256_storeu_ps(out + m * ldo + h * 8, acc[m][h]);
+}
+
+// out[m1 - m0][16] (+)= rows m0 .. m1 - 1 of x against a panel
+inline void panel_all_rows(const Problem& p, int64_t m0, int64_t m1, int64_t k0, const float* panel, int64_t kc,
+                           float* out) {
+  for (int64_t r = m0; r < m1; r += 6) {
+    const float* x = p.x + r * p.k + k0;
+    float* o = out + (r - m0) * 16;
+    switch (std::min<int64_t>(m1 - r, 6)) {
+      case 1: panel_rows<1>(x, p.k, panel, kc, o, 16, k0 == 0); break;
+      case 2: panel_rows<2>(x, p.k, panel, kc, o, 16, k0 == 0); break;
+      case 3: panel_rows<3>(x, p.k, panel, kc, o, 16, k0 == 0); break;
+      case 4: panel_rows<4>(x, p.k, panel, kc, o, 16, k0 == 0); break;
+      case 5: panel_rows<5>(x, p.k, panel, kc, o, 16, k0 == 0); break;
+      default: panel_rows<6>(x, p.k, panel, kc, o, 16, k0 == 0); break;
+    }
+  }
+}
+
+constexpr int64_t MC = 192;  // rows of x against each block in turn (a chunk of them stays in L2)
+
+// y [M][N] = x W^T over 32-row blocks blk0 .. blk1 - 1 (one thread's share), MC rows of x at a time
+template <typename T>
+void panel_blocks(const Problem& p, int64_t blk0, int64_t blk1, T* y) {
+  alignas(32) float lo[KC * 16], hi[KC * 16];
+  alignas(32) float out[2][MC * 16];  // the block's outputs for the chunk's rows
+  const int64_t kc_max = KC / p.group * p.group;
+  for (int64_t m0 = 0; m0 < p.m; m0 += MC) {
+    const int64_t m1 = std::min(p.m, m0 + MC);
+    for (int64_t blk = blk0; blk < blk1; ++blk) {
+      for (int64_t k0 = 0; k0 < p.k; k0 += kc_max) {
+        const int64_t kc = std::min(kc_max, p.k - k0);
+        dequant_chunk(p, blk, k0, kc, lo, hi);
+        panel_all_rows(p, m0, m1, k0, lo, kc, out[0]);
+        panel_all_rows(p, m0, m1, k0, hi, kc, out[1]);
+      }
+      for (int64_t m = m0; m < m1; ++m)
+        for (int64_t j = 0; j < 32; ++j)
+          y[m * p.n + blk * 32 + j] = static_cast<T>(out[j >> 4][(m - m0) * 16 + (j & 15)]);
+    }
+  }
+}
 
 // 8-bit activations (AVX2, bf16 activations), llama.cpp's way: x is quantized per QBLOCK inputs to int8 (scale
 // d = max|x| / 127) and the codes are multiplied as bytes (vpmaddubsw: unsigned codes × signed x, adjacent pairs
@@ -739,6 +847,17 @@ at::Tensor gemv(const at::Tensor& x, const at::Tensor& weight, const at::Tensor&
   int64_t* edge_block = edge_area.data();
   at::BFloat16* yb = bf16 ? y.data_ptr<at::BFloat16>() : nullptr;
   float* yf = bf16 ? nullptr : y.data_ptr<float>();
+#ifdef __AVX2__
+  if (!eight_bit && m >= PANEL_ROWS && block == 32) {  // fp32 FMAs in 6 × 16 register tiles (panel_blocks)
+    TORCH_CHECK(group <= KC, "groups of up to ", KC, " inputs");
+    const int64_t blocks32 = n / 32, per = (blocks32 + threads - 1) / threads;
+    at::parallel_for(0, blocks32, per, [&](int64_t b0, int64_t b1) {
+      if (bf16) panel_blocks(p, b0, b1, yb);
+      else panel_blocks(p, b0, b1, yf);
+    });
+    return y;
+  }
+#endif
   // A part's walk: its units u0 .. u1 - 1 in memory order; u, the next, as (block b, group g), and the unit whose
   // scales are prefetched (SCALES_AHEAD on) as (ab, ag): counted on, not divided out, each unit.
   struct Cursor {

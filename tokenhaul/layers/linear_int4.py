@@ -61,7 +61,7 @@ class Int4Linear(Linear):
     kernel scales like a loop of GEMVs). `max_rows` None (the batch-invariant factory): int4pack at every row
     count, so a row's numbers do not depend on its batch."""
 
-    gemv_rows = int4_gemv.rows()  # the C++ GEMV up to here: 112 rows with AVX-512 BF16, 320 with AVX2 (measured)
+    gemv_rows = int4_gemv.rows()  # the C++ GEMV up to here: 112 rows with AVX-512 BF16, every step's with AVX2
 
     # Above this many rows: dequantize (dense_t) + one dense GEMM. Measured on a quiet machine (2 threads, one
     # layer's linears of SmolLM2 / Qwen2.5-0.5B, packed ÷ dequantized time): with the C++ dequantization 0.64-0.80
