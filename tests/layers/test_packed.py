@@ -167,7 +167,8 @@ def check_int4_gemv(n: int, k_groups: int, m: int, group: int, threads: int, see
     VNNI or AVX2, and so are more rows with AVX-512 VNNI: exact against those values, and within half a step per
     input of the bf16 ones; else more rows take the bf16 dot-product path on a CPU with AVX-512 BF16; fp32
     activations the AVX2 path). Each row's result is the same whatever rows share the call (bf16: whatever rows
-    of the same path) at one thread count: the thread count moves where a block's groups are split between
+    of the same path, AVX2's panels apart: test_int4_gemv_panels_give_a_row_the_same_bits_in_any_batch) at one
+    thread count: the thread count moves where a block's groups are split between
     threads, and so the fp32 rounding of that block's sum (rows compared at another thread count than the batch
     failed 1 in ~170 cases on a Zen 5 host)."""
     from tokenhaul.layers import int4_gemv
@@ -207,7 +208,9 @@ def check_int4_gemv(n: int, k_groups: int, m: int, group: int, threads: int, see
     else:
         assert ((y16.double() - ref16).abs() <= 2 ** -8 * ref16.abs() + 1e-4 * terms).all()
     assert torch.equal(torch.cat(rows), y32)
-    if int4_gemv.eight_bit_activations(1, group, lin.block) == int4_gemv.eight_bit_activations(m, group, lin.block):
+    one_way = m <= 2 or lin.block == 64  # AVX2's panels (3 or more rows) sum otherwise than a row alone
+    if one_way and int4_gemv.eight_bit_activations(1, group, lin.block) == int4_gemv.eight_bit_activations(
+            m, group, lin.block):
         assert torch.equal(torch.cat(rows16)[:, :n], y16)
 
 
@@ -216,11 +219,13 @@ def test_int4_gemv_many_rows_in_tiles_as_if_each_row_were_alone(group):
     """With AVX-512 VNNI, 3 or more bf16 rows take the 8-bit path in tiles of 8 rows (int4_gemv.cpp
     unit_tiles_i8): each row's output equals, to the bit, that row sent alone (1-2 rows: block_rows_vnni), for
     row counts that fill whole tiles and leave remainders, and equals the 8-bit x times the weight to fp32
-    rounding. Elsewhere the many-row path is the bf16 or fp32 one (test_int4_kernel_matches_float_reference)."""
+    rounding. Elsewhere the many-row path is AVX2's 8-bit panels
+    (test_int4_gemv_panels_give_a_row_the_same_bits_in_any_batch), the bf16 or the fp32 one
+    (test_int4_kernel_matches_float_reference)."""
     from tokenhaul.layers import int4_gemv
 
-    if not int4_gemv.eight_bit_activations(3, group, block_n() or 0):
-        pytest.skip("no AVX-512 VNNI here: 3 or more rows take the bf16 / fp32 path")
+    if block_n() != 64 or not int4_gemv.eight_bit_activations(3, group, 64):
+        pytest.skip("no AVX-512 VNNI here: 3 or more rows take the panels, the bf16 or the fp32 path")
     g = torch.Generator().manual_seed(group)
     n, k = 320, group * 5
     lin = Int4Linear.build([torch.randn(n, k, generator=g)], None, torch.bfloat16, CPU, group)
@@ -238,35 +243,35 @@ def test_int4_gemv_many_rows_in_tiles_as_if_each_row_were_alone(group):
 
 @pytest.mark.parametrize("group", [32, 64, 128])
 def test_int4_gemv_panels_give_a_row_the_same_bits_in_any_batch(group):
-    """From PANEL_ROWS rows, on AVX2 hosts (32-row blocks), the GEMV sums 6-row x 16-output tiles on weights
-    dequantized to fp32 a panel at a time (int4_gemv.cpp panel_blocks): a row's output is the same, to the bit,
-    wherever it sits in a batch of that path and at any thread count (tile remainders, x cut in chunks of 192
-    rows, K in chunks of 128 inputs), and within fp32 rounding of x @ dequant^T (bf16: and of the output)."""
+    """With 32-row blocks (AVX2 hosts) bf16 rows of 3 or more take the 8-bit x against panels of codes laid out in
+    L1, in 3-row tiles (int4_gemv.cpp panel_blocks_i8): a row's output is the same, to the bit, wherever it sits in
+    a batch of 3 or more rows and at any thread count (tile remainders, x cut in chunks of 192 rows, K in chunks of
+    128 inputs), and equals the 8-bit x times the weight to fp32 rounding and the output's bf16 rounding."""
     from tokenhaul.layers import int4_gemv
 
-    if block_n() != 32:
-        pytest.skip("32-row blocks (AVX2 hosts) only")
+    if not int4_gemv.eight_bit_activations(3, group, 32):
+        pytest.skip("the 8-bit panels need the AVX2 build")
     g = torch.Generator().manual_seed(group)
     n, k = 100, group * 5
-    lin = Int4Linear.build([torch.randn(n, k, generator=g)], None, torch.bfloat16, CPU, group)
-    deq = lin.dequantize().double()
-    x = torch.randn(203, k, generator=g) * torch.rand(203, 1, generator=g) * 4
+    q = torch.randint(0, 16, (128, k), dtype=torch.uint8, generator=g)
+    sz = (torch.randn(k // group, 128, 2, generator=g) * 0.1).bfloat16()
+    scale, zero = sz[..., 0].double().t(), sz[..., 1].double().t()
+    deq = ((q.double() - 8).view(128, -1, group) * scale[..., None] + zero[..., None]).view(128, k)[:n]
+    packed = pack_blocks(q, 32)
+    x = (torch.randn(203, k, generator=g) * torch.rand(203, 1, generator=g) * 4).bfloat16()
     gemv = torch.ops.tokenhaul_int4.gemv
     before = torch.get_num_threads()
     try:
-        for xs in (x, x.bfloat16()):
-            torch.set_num_threads(2)
-            full = gemv(xs, lin.weight, lin.scales_zeros, group, lin.block)[:, :n]
-            ref = xs.double() @ deq.t()
-            terms = xs.double().abs() @ deq.abs().t()
-            assert ((full.double() - ref).abs() <= 2 ** -8 * ref.abs() * (xs.dtype != torch.float32)
-                    + 1e-4 * terms).all()
-            for threads, start, m in ((1, 0, int4_gemv.PANEL_ROWS), (3, 5, 13), (2, 190, 13), (1, 7, 196)):
-                torch.set_num_threads(threads)
-                part = gemv(xs[start:start + m], lin.weight, lin.scales_zeros, group, lin.block)[:, :n]
-                assert torch.equal(part, full[start:start + m]), (threads, start, m)
+        torch.set_num_threads(2)
+        full = gemv(x, packed, sz, group, 32)[:, :n]
+        for threads, start, m in ((1, 0, 3), (3, 5, 13), (2, 190, 13), (1, 7, 196)):
+            torch.set_num_threads(threads)
+            assert torch.equal(gemv(x[start:start + m], packed, sz, group, 32)[:, :n], full[start:start + m])
     finally:
         torch.set_num_threads(before)
+    exact = int4_gemv.quantize_activations(x).double() @ deq.t()
+    terms = x.double().abs() @ deq.abs().t()
+    assert ((full.double() - exact).abs() <= 2 ** -8 * exact.abs() + 1e-4 * terms).all()
 
 
 def test_int4_linear_takes_the_gemv_at_few_rows(monkeypatch):

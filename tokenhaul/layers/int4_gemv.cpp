@@ -8,14 +8,15 @@
 // linears from DRAM at one row, bench/RESULTS.md "Scales in unit order"). Per group the codes are summed against
 // the activations unscaled and the group's scale and zero applied after:
 //   y[n] = Σ_g s[g,n] · (Σ_k q[n,k] x[k] - 8 Σ_k x[k]) + z[g,n] · Σ_k x[k].
-// Three ways to sum: fp32 FMAs on the codes widened to fp32 (fp32 activations; bf16 ones of 3 or more rows without
-// AVX-512 BF16 or VNNI), bf16 dot products (3 or more rows with AVX-512 BF16 but not VNNI), bytes times 8-bit
-// activations (bf16 activations of 1 or 2 rows: VPDPBUSD with AVX-512 VNNI, else VPMADDUBSW, the same quantized
-// sums; of 3 or more rows with AVX-512 VNNI, in tiles of rows). Within a way each row goes through the same
+// Three ways to sum: fp32 FMAs on the codes widened to fp32 (fp32 activations; bf16 ones of 3 or more rows on
+// AVX-512 hosts without BF16 or VNNI), bf16 dot products (3 or more rows with AVX-512 BF16 but not VNNI), bytes
+// times 8-bit activations (bf16 activations of 1 or 2 rows: VPDPBUSD with AVX-512 VNNI, else VPMADDUBSW, the same
+// quantized sums; of 3 or more rows with AVX-512 VNNI in tiles of rows, with AVX2 against panels of codes laid out
+// once per block). Within a way each row goes through the same
 // operations whatever the row count, so a row's result depends on its batch only through which way its row count
-// takes (with AVX-512 VNNI there is one way for every row count the engine sends here). From PANEL_ROWS rows with
-// 32-row blocks (AVX2 hosts) the FMAs run on weights dequantized to fp32 a panel at a time (panel_blocks), each
-// thread taking whole blocks. Otherwise work is split evenly over
+// takes (with AVX-512 VNNI there is one way for every row count the engine sends here). With 32-row blocks (AVX2
+// hosts) bf16 rows of 3 or more take the 8-bit path against panels of codes laid out in L1 (panel_blocks_i8),
+// each thread taking whole blocks. Otherwise work is split evenly over
 // threads in (block, group) units; a large weight's share of a thread is cut in parts walked together (more
 // streams in flight), each part in memory order with the scales of a unit a few ahead prefetched; a block two parts
 // share is summed after the parallel region.
@@ -192,105 +193,129 @@ void block_rows(const Problem& p, int64_t b, int64_t g, int64_t m0, float* out) 
   }
 }
 
-// Three or more rows with AVX2 FMAs, 32-row blocks (torch's AVX2 layout): each block's codes dequantized to fp32
-// KC inputs at a time, w = q · s + (z - 8 s), into two 16-row panels in L1 (the low and the high nibbles), then
-// x W^T summed by 6 rows × 16 outputs in registers over the whole of K: no per-group epilogue, and each weight
-// converted once for all the rows (the 6 × 16 FMA kernel of BLAS's AVX2 GEMMs). A row's sums run the same
-// operations in the same order whatever the number of rows.
-constexpr int64_t KC = 128;  // inputs per panel chunk: two panels of 8 KB, six rows of x 3 KB
-#ifndef PANEL_ROWS
-#define PANEL_ROWS 12  // from DRAM, 2 threads, against block_rows: 8 rows 0.8-0.9x, 16 rows 1.0-1.3x, 128 1.3x
-#endif  // (int4_gemv.py PANEL_ROWS says the same)
+// Three or more bf16 rows with AVX2, 32-row blocks (torch's AVX2 layout): the 8-bit x (as for one or two rows)
+// against panels. Each block's codes are laid out KC inputs at a time as VPMADDUBSW operands in L1, 8 rows × 4
+// inputs a register (a quad of inputs takes 4: rows 0-7 and 8-15 from the low nibbles, 16-23 and 24-31 from the
+// high ones). Tiles of 3 rows × 16 outputs then sum by VPMADDUBSW into 16-bit sums over a QBLOCK (4 quads: at
+// most 4 · 2 · 15 · 127 = 15240), VPMADDWD to 32 bits, and into fp32 outputs kept in registers over the chunk:
+// y += (s · d) · A per QBLOCK, + (z - 8 s) · X per group (X: the group's sum of the 8-bit x). The codes are laid
+// out once for all the rows, and there is no per-group pass over memory: 1.2-1.6x the FMAs of block_rows at 8-512
+// rows (bench/RESULTS.md "int4 on AVX2: 8-bit panels"). A row's sums run the same operations in the same order
+// whatever the number of rows, and each thread takes whole blocks.
+constexpr int64_t KC = 128;  // inputs per panel chunk: two panels of 2 KB
+constexpr int64_t MC = 192;  // rows of x against each block in turn (a chunk of their 8-bit x stays in L2)
 
-// lo / hi [kc][16] = the block's rows 0-15 / 16-31 dequantized, inputs k0 .. k0 + kc (kc a multiple of group)
-inline void dequant_chunk(const Problem& p, int64_t blk, int64_t k0, int64_t kc, float* lo, float* hi) {
-  const __m128i low4 = _mm_set1_epi8(15);
-  const __m256i high16 = _mm256_set1_epi32(static_cast<int>(0xffff0000u));
-  const __m256 eight = _mm256_set1_ps(8.0f);
+// lo / hi [kc / 4][2] = the block's rows 0-15 / 16-31 as quads of inputs k0 .. k0 + kc
+inline void pack_chunk_i8(const Problem& p, int64_t blk, int64_t k0, int64_t kc, __m256i* lo, __m256i* hi) {
+  const __m128i m4 = _mm_set1_epi8(15);
   const uint8_t* src = p.w + (blk * p.k + k0) * 16;
-  const int r0 = static_cast<int>(blk & 1) * 32;  // the block's first row in its 64-row unit
-  for (int64_t kk = 0; kk < kc; kk += p.group) {
-    const uint16_t* szb = unit_scales(p, (k0 + kk) / p.group, blk / 2) + r0 * 2;
-    __m256 s[4], z[4];  // rows 0-7, 8-15, 16-23, 24-31
-#pragma GCC unroll 4
-    for (int j = 0; j < 4; ++j) {
-      const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(szb + j * 16));
-      s[j] = _mm256_castsi256_ps(_mm256_slli_epi32(v, 16));
-      z[j] = _mm256_fnmadd_ps(eight, s[j], _mm256_castsi256_ps(_mm256_and_si256(v, high16)));
-    }
-    for (int64_t i = kk; i < kk + p.group; ++i, src += 16) {
+  for (int64_t q = 0; q < kc / 4; ++q, src += 64) {
 #if PREFETCH
-      _mm_prefetch(reinterpret_cast<const char*>(src) + PREFETCH, PREFETCH_HINT);
+    _mm_prefetch(reinterpret_cast<const char*>(src) + PREFETCH, PREFETCH_HINT);
 #endif
-      const __m128i v = _mm_loadu_si128(reinterpret_cast<const __m128i*>(src));
-      const __m128i l = _mm_and_si128(v, low4), h = _mm_and_si128(_mm_srli_epi16(v, 4), low4);
-      const __m128i q[4] = {l, _mm_unpackhi_epi64(l, l), h, _mm_unpackhi_epi64(h, h)};
+    __m128i t[2][4];
 #pragma GCC unroll 4
-      for (int j = 0; j < 4; ++j) {
-        const __m256 w = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(q[j])), s[j], z[j]);
-        _mm256_store_ps((j < 2 ? lo : hi) + i * 16 + (j & 1) * 8, w);
+    for (int i = 0; i < 4; ++i) {
+      const __m128i v = _mm_loadu_si128(reinterpret_cast<const __m128i*>(src + i * 16));
+      t[0][i] = _mm_and_si128(v, m4);
+      t[1][i] = _mm_and_si128(_mm_srli_epi16(v, 4), m4);
+    }
+#pragma GCC unroll 2
+    for (int h = 0; h < 2; ++h) {
+      const __m128i a = _mm_unpacklo_epi8(t[h][0], t[h][1]), b = _mm_unpacklo_epi8(t[h][2], t[h][3]);
+      const __m128i c = _mm_unpackhi_epi8(t[h][0], t[h][1]), d = _mm_unpackhi_epi8(t[h][2], t[h][3]);
+      __m256i* out = h ? hi : lo;
+      out[q * 2] = _mm256_set_m128i(_mm_unpackhi_epi16(a, b), _mm_unpacklo_epi16(a, b));
+      out[q * 2 + 1] = _mm256_set_m128i(_mm_unpackhi_epi16(c, d), _mm_unpacklo_epi16(c, d));
+    }
+  }
+}
+
+// out[TR][16] (+)= TR rows of the 8-bit x (from row r) × a panel of quads; sz [kc / group][2][16]: s, z - 8 s
+template <int TR>
+inline void panel_rows_i8(const Problem& p, int64_t r, int64_t k0, int64_t kc, const __m256i* panel, const float* sz,
+                          float* out, bool first) {
+  const int64_t k = p.k, nb = k / QBLOCK;
+  const __m256i ones = _mm256_set1_epi16(1);
+  __m256 y[TR][2];
+#pragma GCC unroll 3
+  for (int m = 0; m < TR; ++m)
+#pragma GCC unroll 2
+    for (int h = 0; h < 2; ++h) y[m][h] = first ? _mm256_setzero_ps() : _mm256_loadu_ps(out + m * 16 + h * 8);
+  for (int64_t g0 = 0; g0 < kc; g0 += p.group) {
+    const float* s = sz + (g0 / p.group) * 32;
+    for (int64_t b0 = g0; b0 < g0 + p.group; b0 += QBLOCK) {
+      __m256i a[TR][2];
+#pragma GCC unroll 3
+      for (int m = 0; m < TR; ++m) a[m][0] = a[m][1] = _mm256_setzero_si256();
+#pragma GCC unroll 4
+      for (int64_t q = b0 / 4; q < (b0 + QBLOCK) / 4; ++q) {
+        const __m256i w0 = _mm256_load_si256(panel + q * 2), w1 = _mm256_load_si256(panel + q * 2 + 1);
+#pragma GCC unroll 3
+        for (int m = 0; m < TR; ++m) {
+          int32_t quad;
+          std::memcpy(&quad, p.xq + (r + m) * k + k0 + q * 4, 4);
+          const __m256i xv = _mm256_set1_epi32(quad);
+          a[m][0] = _mm256_add_epi16(a[m][0], _mm256_maddubs_epi16(w0, xv));
+          a[m][1] = _mm256_add_epi16(a[m][1], _mm256_maddubs_epi16(w1, xv));
+        }
+      }
+#pragma GCC unroll 3
+      for (int m = 0; m < TR; ++m) {
+        const __m256 d = _mm256_set1_ps(p.xd[(r + m) * nb + (k0 + b0) / QBLOCK]);
+#pragma GCC unroll 2
+        for (int h = 0; h < 2; ++h)
+          y[m][h] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_madd_epi16(a[m][h], ones)),
+                                    _mm256_mul_ps(_mm256_load_ps(s + h * 8), d), y[m][h]);
       }
     }
-  }
-}
-
-// out[TM][ldo] (+)= TM rows of x [.][ldx] × a panel [kc][16]; `first`: out not yet written
-template <int TM>
-inline void panel_rows(const float* x, int64_t ldx, const float* panel, int64_t kc, float* out, int64_t ldo,
-                       bool first) {
-  __m256 acc[TM][2];
-#pragma GCC unroll 6
-  for (int m = 0; m < TM; ++m)
+#pragma GCC unroll 3
+    for (int m = 0; m < TR; ++m) {
+      const __m256 x = _mm256_set1_ps(p.xs[(r + m) * p.groups + (k0 + g0) / p.group]);
 #pragma GCC unroll 2
-    for (int h = 0; h < 2; ++h) acc[m][h] = first ? _mm256_setzero_ps() : _mm256_loadu_ps(out + m * ldo + h * 8);
-  for (int64_t i = 0; i < kc; ++i) {
-    const __m256 w0 = _mm256_load_ps(panel + i * 16), w1 = _mm256_load_ps(panel + i * 16 + 8);
-#pragma GCC unroll 6
-    for (int m = 0; m < TM; ++m) {
-      const __m256 xv = _mm256_broadcast_ss(x + m * ldx + i);
-      acc[m][0] = _mm256_fmadd_ps(w0, xv, acc[m][0]);
-      acc[m][1] = _mm256_fmadd_ps(w1, xv, acc[m][1]);
+      for (int h = 0; h < 2; ++h) y[m][h] = _mm256_fmadd_ps(_mm256_load_ps(s + 16 + h * 8), x, y[m][h]);
     }
   }
-#pragma GCC unroll 6
-  for (int m = 0; m < TM; ++m)
+#pragma GCC unroll 3
+  for (int m = 0; m < TR; ++m)
 #pragma GCC unroll 2
-    for (int h = 0; h < 2; ++h) _mm256_storeu_ps(out + m * ldo + h * 8, acc[m][h]);
+    for (int h = 0; h < 2; ++h) _mm256_storeu_ps(out + m * 16 + h * 8, y[m][h]);
 }
 
-// out[m1 - m0][16] (+)= rows m0 .. m1 - 1 of x against a panel
-inline void panel_all_rows(const Problem& p, int64_t m0, int64_t m1, int64_t k0, const float* panel, int64_t kc,
-                           float* out) {
-  for (int64_t r = m0; r < m1; r += 6) {
-    const float* x = p.x + r * p.k + k0;
-    float* o = out + (r - m0) * 16;
-    switch (std::min<int64_t>(m1 - r, 6)) {
-      case 1: panel_rows<1>(x, p.k, panel, kc, o, 16, k0 == 0); break;
-      case 2: panel_rows<2>(x, p.k, panel, kc, o, 16, k0 == 0); break;
-      case 3: panel_rows<3>(x, p.k, panel, kc, o, 16, k0 == 0); break;
-      case 4: panel_rows<4>(x, p.k, panel, kc, o, 16, k0 == 0); break;
-      case 5: panel_rows<5>(x, p.k, panel, kc, o, 16, k0 == 0); break;
-      default: panel_rows<6>(x, p.k, panel, kc, o, 16, k0 == 0); break;
-    }
-  }
-}
-
-constexpr int64_t MC = 192;  // rows of x against each block in turn (a chunk of them stays in L2)
-
-// y [M][N] = x W^T over 32-row blocks blk0 .. blk1 - 1 (one thread's share), MC rows of x at a time
+// y [M][N] = the 8-bit x W^T over 32-row blocks blk0 .. blk1 - 1 (one thread's share), MC rows at a time
 template <typename T>
-void panel_blocks(const Problem& p, int64_t blk0, int64_t blk1, T* y) {
-  alignas(32) float lo[KC * 16], hi[KC * 16];
-  alignas(32) float out[2][MC * 16];  // the block's outputs for the chunk's rows
+void panel_blocks_i8(const Problem& p, int64_t blk0, int64_t blk1, T* y) {
+  alignas(32) __m256i lo[KC / 2], hi[KC / 2];
+  alignas(32) float sz[2][KC / 32][32];  // per group: s, z - 8 s of 16 rows (lo / hi)
+  alignas(32) float out[2][MC * 16];
+  const __m256i high16 = _mm256_set1_epi32(static_cast<int>(0xffff0000u));
+  const __m256 eight = _mm256_set1_ps(8.0f);
   const int64_t kc_max = KC / p.group * p.group;
   for (int64_t m0 = 0; m0 < p.m; m0 += MC) {
     const int64_t m1 = std::min(p.m, m0 + MC);
     for (int64_t blk = blk0; blk < blk1; ++blk) {
       for (int64_t k0 = 0; k0 < p.k; k0 += kc_max) {
         const int64_t kc = std::min(kc_max, p.k - k0);
-        dequant_chunk(p, blk, k0, kc, lo, hi);
-        panel_all_rows(p, m0, m1, k0, lo, kc, out[0]);
-        panel_all_rows(p, m0, m1, k0, hi, kc, out[1]);
+        pack_chunk_i8(p, blk, k0, kc, lo, hi);
+        for (int64_t gi = 0; gi < kc / p.group; ++gi) {
+          const uint16_t* szb = unit_scales(p, k0 / p.group + gi, blk / 2) + (blk & 1) * 64;
+          for (int j = 0; j < 4; ++j) {
+            const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(szb + j * 16));
+            const __m256 s = _mm256_castsi256_ps(_mm256_slli_epi32(v, 16));
+            const __m256 z = _mm256_fnmadd_ps(eight, s, _mm256_castsi256_ps(_mm256_and_si256(v, high16)));
+            _mm256_store_ps(sz[j / 2][gi] + (j & 1) * 8, s);
+            _mm256_store_ps(sz[j / 2][gi] + 16 + (j & 1) * 8, z);
+          }
+        }
+        for (int h = 0; h < 2; ++h)
+          for (int64_t r = m0; r < m1; r += 3) {
+            float* o = out[h] + (r - m0) * 16;
+            switch (std::min<int64_t>(m1 - r, 3)) {
+              case 1: panel_rows_i8<1>(p, r, k0, kc, h ? hi : lo, sz[h][0], o, k0 == 0); break;
+              case 2: panel_rows_i8<2>(p, r, k0, kc, h ? hi : lo, sz[h][0], o, k0 == 0); break;
+              default: panel_rows_i8<3>(p, r, k0, kc, h ? hi : lo, sz[h][0], o, k0 == 0); break;
+            }
+          }
       }
       for (int64_t m = m0; m < m1; ++m)
         for (int64_t j = 0; j < 32; ++j)
@@ -663,14 +688,18 @@ bool has_avx512_bf16() {
 }
 
 // bf16 activations of one or two rows take the 8-bit path (VNNI with 64-row blocks where the CPU has it); more
-// rows the bf16 dot products or fp32 FMAs (the 8-bit path's 16-bit sums, widened per block, lose to the FMAs there:
-// bench/RESULTS.md "int4 and int8 GEMVs on AVX2"; VNNI from 5 rows: "Many-row int4 GEMV")
+// rows the ways below
 bool eight_bit_activations(int64_t m) { return m <= 2; }
 
 // bf16 activations of 3 or more rows take the 8-bit path too where the CPU has AVX-512 VNNI (64-row blocks), in
 // tiles of rows (unit_tiles_i8)
 bool eight_bit_tiles(int64_t m, int64_t group, int64_t block) {
   return m >= 3 && block == 64 && (group == 32 || group == 64 || group == 128) && has_avx512_vnni();
+}
+
+// bf16 activations of 3 or more rows take the 8-bit path against panels with 32-row blocks (AVX2: panel_blocks_i8)
+bool eight_bit_panels(int64_t m, int64_t group, int64_t block) {
+  return m >= 3 && block == 32 && (group == 32 || group == 64 || group == 128);
 }
 
 // One unit (block b, group g) for every row of x, added into out[M][64].
@@ -720,6 +749,7 @@ void unit(const Problem& p, int64_t b, int64_t g, float* out) {
 #else
 bool eight_bit_activations(int64_t) { return false; }
 bool eight_bit_tiles(int64_t, int64_t, int64_t) { return false; }
+bool eight_bit_panels(int64_t, int64_t, int64_t) { return false; }
 
 void unit(const Problem& p, int64_t b, int64_t g, float* out) {
   const int64_t half = p.block / 2;
@@ -806,26 +836,30 @@ at::Tensor gemv(const at::Tensor& x, const at::Tensor& weight, const at::Tensor&
   const at::Tensor xc = x.contiguous();
   const bool bf16 = x.dtype() == at::kBFloat16;
   const bool tiles = bf16 && eight_bit_tiles(m, group, block);
-  const bool eight_bit = bf16 && (eight_bit_activations(m) || tiles);
+  const bool panels = bf16 && eight_bit_panels(m, group, block);
+  const bool eight_bit = bf16 && (eight_bit_activations(m) || tiles || panels);
   int8_t* xq = nullptr;
   if (eight_bit) {  // quantized per QBLOCK inputs straight from bf16 (this path never reads x in fp32); xs: the
     TORCH_CHECK(group <= 128, "the 8-bit path takes groups of up to 128 inputs");  // quantized x's group sums
     xq_area.resize(std::max<size_t>(xq_area.size(), m * k));
     xq = xq_area.data();
     const uint16_t* xb = reinterpret_cast<const uint16_t*>(xc.data_ptr<at::BFloat16>());
-    for (int64_t i = 0; i < nq; ++i) {
-      float wide[QBLOCK];
-      widen_block(xb + i * QBLOCK, wide);
-      const float amax = abs_max(wide, QBLOCK);
-      const int32_t codes = quantize(wide, QBLOCK, amax, xq + i * QBLOCK);
-      xd[i] = amax / 127.0f;
-      block_sum[i] = xd[i] * static_cast<float>(codes);
-    }
-    for (int64_t i = 0; i < m * groups; ++i) {
-      float total = 0.0f;
-      for (int64_t j = 0; j < group / QBLOCK; ++j) total += block_sum[i * (group / QBLOCK) + j];
-      xs[i] = total;
-    }
+    const int64_t per_group = group / QBLOCK;
+    at::parallel_for(0, m * groups, 2048 / per_group, [&](int64_t i0, int64_t i1) {  // a prefill's x: ~1 ms a call
+      for (int64_t i = i0 * per_group; i < i1 * per_group; ++i) {
+        float wide[QBLOCK];
+        widen_block(xb + i * QBLOCK, wide);
+        const float amax = abs_max(wide, QBLOCK);
+        const int32_t codes = quantize(wide, QBLOCK, amax, xq + i * QBLOCK);
+        xd[i] = amax / 127.0f;
+        block_sum[i] = xd[i] * static_cast<float>(codes);
+      }
+      for (int64_t i = i0; i < i1; ++i) {
+        float total = 0.0f;
+        for (int64_t j = 0; j < per_group; ++j) total += block_sum[i * per_group + j];
+        xs[i] = total;
+      }
+    });
   } else {
     if (bf16) {
       const uint16_t* xb = reinterpret_cast<const uint16_t*>(xc.data_ptr<at::BFloat16>());
@@ -848,13 +882,9 @@ at::Tensor gemv(const at::Tensor& x, const at::Tensor& weight, const at::Tensor&
   at::BFloat16* yb = bf16 ? y.data_ptr<at::BFloat16>() : nullptr;
   float* yf = bf16 ? nullptr : y.data_ptr<float>();
 #ifdef __AVX2__
-  if (!eight_bit && m >= PANEL_ROWS && block == 32) {  // fp32 FMAs in 6 × 16 register tiles (panel_blocks)
-    TORCH_CHECK(group <= KC, "groups of up to ", KC, " inputs");
+  if (panels) {
     const int64_t blocks32 = n / 32, per = (blocks32 + threads - 1) / threads;
-    at::parallel_for(0, blocks32, per, [&](int64_t b0, int64_t b1) {
-      if (bf16) panel_blocks(p, b0, b1, yb);
-      else panel_blocks(p, b0, b1, yf);
-    });
+    at::parallel_for(0, blocks32, per, [&](int64_t b0, int64_t b1) { panel_blocks_i8(p, b0, b1, yb); });
     return y;
   }
 #endif

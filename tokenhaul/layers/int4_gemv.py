@@ -4,11 +4,11 @@
 A small C++ kernel (int4_gemv.cpp, built on first use: tokenhaul/native.py), registered as a torch op with a fake
 implementation so the compiled decode step can call it. Per group the codes are summed against the activations
 and the group's scale and zero applied to the sum. bf16 activations of 1-2 rows: quantized to 8 bits per 16
-inputs and multiplied as bytes (llama.cpp's way: `vpdpbusd` with AVX-512 VNNI, else `vpmaddubsw`); of more rows,
-with AVX-512 VNNI the same 8-bit path in tiles of 8 rows (each row's result as if it were alone), else with
-AVX-512 BF16 bf16 dot products of the codes (exact as bf16) with the activations. fp32 activations and the rest:
-AVX2 FMAs on the codes as fp32 — from PANEL_ROWS rows with 32-row blocks (AVX2 hosts) on weights dequantized to
-fp32 a panel at a time, in 6-row × 16-output register tiles.
+inputs and multiplied as bytes (llama.cpp's way: `vpdpbusd` with AVX-512 VNNI, else `vpmaddubsw`). Of more rows:
+with AVX-512 VNNI the same 8-bit path in tiles of 8 rows (each row's result as if it were alone); with AVX2
+(32-row blocks) the same 8-bit x against panels of codes laid out once per block for all the rows, in 3-row ×
+16-output register tiles; else with AVX-512 BF16 bf16 dot products of the codes (exact as bf16) with the
+activations. fp32 activations and the rest: AVX2 FMAs on the codes as fp32.
 Without a C++ compiler `Int4Linear` keeps `_weight_int4pack_mm_for_cpu` (one stderr line says so)."""
 
 from __future__ import annotations
@@ -21,7 +21,6 @@ from tokenhaul import native
 
 SOURCE = Path(__file__).with_name("int4_gemv.cpp")
 QBLOCK = 16  # inputs per activation scale on the 8-bit path (int4_gemv.cpp)
-PANEL_ROWS = 12  # from this many rows AVX2 hosts take the FMA tiles on dequantized panels (int4_gemv.cpp)
 AVX2_ROWS = 4096  # the GEMV's reach on AVX2 hosts: beyond any step's rows at default settings (2048 tokens)
 SHIM = ("AOTITorchError aoti_torch_cpu_gemv(AtenTensorHandle x, AtenTensorHandle weight, "  # the op as a C function
         "AtenTensorHandle scales_zeros, int64_t group, int64_t block, AtenTensorHandle* out)")  # (native.c_shims)
@@ -50,12 +49,13 @@ def _avx512_with(*features: str) -> bool:
 
 def eight_bit_activations(rows: int, group: int, block: int) -> bool:
     """Whether int4_gemv.cpp quantizes bf16 activations of `rows` rows to 8 bits per QBLOCK inputs against weights
-    in `block`-row blocks: one or two rows with AVX2 or AVX-512; more with AVX-512 VNNI, 64-row blocks and groups
-    of 32, 64 or 128 (the same operations per row: a row's result does not depend on the batch). fp32 activations
-    never are."""
-    if rows <= 2:
-        return torch.backends.cpu.get_cpu_capability() in ("AVX2", "AVX512")
-    return group in (32, 64, 128) and block == 64 and _avx512_with("avx512_vnni")
+    in `block`-row blocks: one or two rows with AVX2 or AVX-512; more with groups of 32, 64 or 128 and 32-row blocks
+    (AVX2 hosts' layout: a row's result is the same in any batch of 3 or more rows) or 64-row blocks and AVX-512
+    VNNI (a row's result does not depend on the batch). fp32 activations never are."""
+    avx2 = torch.backends.cpu.get_cpu_capability() in ("AVX2", "AVX512")  # the kernel built with AVX2 (native.py)
+    if rows <= 2 or not avx2 or group not in (32, 64, 128):
+        return rows <= 2 and avx2
+    return block == 32 or _avx512_with("avx512_vnni")
 
 
 def quantize_activations(x: torch.Tensor) -> torch.Tensor:
@@ -72,9 +72,8 @@ def rows() -> int:
     "Speed run 4" and "int4 and int8 GEMVs on AVX2"). With AVX-512 BF16 it beats int4pack at every row count
     (1.2-1.3x at 1-4 rows, 1.5-1.7x at 8-128) and the dequantize + bf16 GEMM path up to ~120 rows. With AVX2
     (torch's int4pack and bf16 GEMMs have no fast path there) it beats int4pack at every row count (1.2-2.2x, one
-    layer of SmolLM2 / Qwen2.5-0.5B), and from PANEL_ROWS rows its 6 × 16 FMA tiles on weights dequantized into L1
-    beat dequantize + fp32 GEMM (1.17-1.22x at 512 rows of Qwen2.5-0.5B's MLP, 0.98-1.07x at 2048): it takes
-    every row count a step sends (bench/RESULTS.md "int4 on AVX2: FMA tiles on dequantized panels").
+    layer of SmolLM2 / Qwen2.5-0.5B), and from 3 rows its 8-bit panels beat dequantize + fp32 GEMM too (~1.5x at
+    512 rows): it takes every row count a step sends (bench/RESULTS.md "int4 on AVX2: 8-bit panels").
     On AVX-512 hosts without BF16 (torch's AVX-512 int4pack) it was measured faster only at 1 row."""
     if _avx512_with("avx512_bf16"):
         return 112
