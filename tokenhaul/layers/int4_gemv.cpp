@@ -199,9 +199,9 @@ void block_rows(const Problem& p, int64_t b, int64_t g, int64_t m0, float* out) 
 // high ones). Tiles of 3 rows × 16 outputs then sum by VPMADDUBSW into 16-bit sums over a QBLOCK (4 quads: at
 // most 4 · 2 · 15 · 127 = 15240), VPMADDWD to 32 bits, and into fp32 outputs kept in registers over the chunk:
 // y += (s · d) · A per QBLOCK, + (z - 8 s) · X per group (X: the group's sum of the 8-bit x). The codes are laid
-// out once for all the rows, and there is no per-group pass over memory: 1.2-1.6x the FMAs of block_rows at 8-512
-// rows (bench/RESULTS.md "int4 on AVX2: 8-bit panels"). A row's sums run the same operations in the same order
-// whatever the number of rows, and each thread takes whole blocks.
+// out once for all the rows, and there is no per-group pass over memory: 1.1-1.6x the FMAs of block_rows at 3-512
+// rows (bench/RESULTS.md "int4 on AVX2: 8-bit panels from 3 rows"). A row's sums run the same operations in the
+// same order whatever the number of rows, and each thread takes whole blocks.
 constexpr int64_t KC = 128;  // inputs per panel chunk: two panels of 2 KB
 constexpr int64_t MC = 192;  // rows of x against each block in turn (a chunk of their 8-bit x stays in L2)
 
@@ -790,7 +790,8 @@ inline void prefetch_storage(const at::Tensor& t) {
 
 }  // namespace
 
-at::Tensor gemv(const at::Tensor& x, const at::Tensor& weight, const at::Tensor& scales_zeros, int64_t group,
+// static: a variant built beside the engine's op (bench/gemv_variants.py) keeps its own, not the first one loaded
+static at::Tensor gemv(const at::Tensor& x, const at::Tensor& weight, const at::Tensor& scales_zeros, int64_t group,
                 int64_t block) {
   prefetch_meta(weight);
   prefetch_meta(scales_zeros);

@@ -73,7 +73,7 @@ def rows() -> int:
     (1.2-1.3x at 1-4 rows, 1.5-1.7x at 8-128) and the dequantize + bf16 GEMM path up to ~120 rows. With AVX2
     (torch's int4pack and bf16 GEMMs have no fast path there) it beats int4pack at every row count (1.2-2.2x, one
     layer of SmolLM2 / Qwen2.5-0.5B), and from 3 rows its 8-bit panels beat dequantize + fp32 GEMM too (~1.5x at
-    512 rows): it takes every row count a step sends (bench/RESULTS.md "int4 on AVX2: 8-bit panels").
+    512 rows): it takes every row count a step sends (bench/RESULTS.md "int4 on AVX2: 8-bit panels from 3 rows").
     On AVX-512 hosts without BF16 (torch's AVX-512 int4pack) it was measured faster only at 1 row."""
     if _avx512_with("avx512_bf16"):
         return 112

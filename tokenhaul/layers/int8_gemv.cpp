@@ -142,7 +142,8 @@ void quantize_row(const float* x, int64_t K, float inv, int16_t* q) {
 
 constexpr int64_t MAX_ROWS = 8;  // rows per pass over the weights (one template per row count)
 
-at::Tensor int8_gemv(const at::Tensor& x, const at::Tensor& weight, const at::Tensor& scales) {
+// static: a variant built beside the engine's op (bench/gemv_variants.py) keeps its own, not the first one loaded
+static at::Tensor int8_gemv(const at::Tensor& x, const at::Tensor& weight, const at::Tensor& scales) {
   TORCH_CHECK(x.dim() == 2 && x.size(0) >= 1, "x: [M, K] with M >= 1");
   TORCH_CHECK(weight.dtype() == at::kChar && weight.is_contiguous() && weight.dim() == 2, "weight: contiguous int8");
   TORCH_CHECK(scales.dtype() == at::kBFloat16 && scales.is_contiguous(), "scales: contiguous bf16 [N]");

@@ -510,7 +510,8 @@ void run(const std::vector<Kept>& kept, const uint8_t* W, int64_t parts, int64_t
 // x [M, K] fp32 or bf16 (contiguous); rows [P, K, ...] and scales as above (int8 [K, 2] fp32, int4 [K / G, 2, N]
 // bf16, bf16 none: the scales name the storage); kept [2] int64 gets the kept channels (and int4 groups read) of
 // all M rows added. Returns y [M, N] in x's dtype (bias added when given).
-at::Tensor sparse_gemv(const at::Tensor& x, double threshold, const at::Tensor& rows,
+// static: a variant built beside the engine's op (bench/gemv_variants.py) keeps its own, not the first one loaded
+static at::Tensor sparse_gemv(const at::Tensor& x, double threshold, const at::Tensor& rows,
                        const c10::optional<at::Tensor>& scales, int64_t out_features, int64_t group,
                        const c10::optional<at::Tensor>& bias, at::Tensor kept_count) {
   TORCH_CHECK(x.is_contiguous() && x.dim() == 2 && (x.dtype() == at::kFloat || x.dtype() == at::kBFloat16),
