@@ -693,13 +693,16 @@ bool eight_bit_activations(int64_t m) { return m <= 2; }
 
 // bf16 activations of 3 or more rows take the 8-bit path too where the CPU has AVX-512 VNNI (64-row blocks), in
 // tiles of rows (unit_tiles_i8)
+// The groups the many-row 8-bit paths take (their buffers hold up to 128 inputs of a group)
+inline bool many_row_group(int64_t group) { return group == 32 || group == 64 || group == 128; }
+
 bool eight_bit_tiles(int64_t m, int64_t group, int64_t block) {
-  return m >= 3 && block == 64 && (group == 32 || group == 64 || group == 128) && has_avx512_vnni();
+  return m >= 3 && block == 64 && many_row_group(group) && has_avx512_vnni();
 }
 
 // bf16 activations of 3 or more rows take the 8-bit path against panels with 32-row blocks (AVX2: panel_blocks_i8)
 bool eight_bit_panels(int64_t m, int64_t group, int64_t block) {
-  return m >= 3 && block == 32 && (group == 32 || group == 64 || group == 128);
+  return m >= 3 && block == 32 && many_row_group(group);
 }
 
 // One unit (block b, group g) for every row of x, added into out[M][64].
@@ -878,17 +881,18 @@ static at::Tensor gemv(const at::Tensor& x, const at::Tensor& weight, const at::
                   xf, xs, m, k, n, groups, group, block,
                   bf16 ? reinterpret_cast<const uint32_t*>(xc.data_ptr<at::BFloat16>()) : nullptr,
                   xq, eight_bit ? xd : nullptr, unit_order, tiles};
-  edge_area.assign(parts * 2, -1);
-  int64_t* edge_block = edge_area.data();
-  at::BFloat16* yb = bf16 ? y.data_ptr<at::BFloat16>() : nullptr;
-  float* yf = bf16 ? nullptr : y.data_ptr<float>();
 #ifdef __AVX2__
-  if (panels) {
+  if (panels) {  // whole blocks per thread: none of the parts' bookkeeping below
     const int64_t blocks32 = n / 32, per = (blocks32 + threads - 1) / threads;
+    at::BFloat16* yb = y.data_ptr<at::BFloat16>();
     at::parallel_for(0, blocks32, per, [&](int64_t b0, int64_t b1) { panel_blocks_i8(p, b0, b1, yb); });
     return y;
   }
 #endif
+  edge_area.assign(parts * 2, -1);
+  int64_t* edge_block = edge_area.data();
+  at::BFloat16* yb = bf16 ? y.data_ptr<at::BFloat16>() : nullptr;
+  float* yf = bf16 ? nullptr : y.data_ptr<float>();
   // A part's walk: its units u0 .. u1 - 1 in memory order; u, the next, as (block b, group g), and the unit whose
   // scales are prefetched (SCALES_AHEAD on) as (ab, ag): counted on, not divided out, each unit.
   struct Cursor {
