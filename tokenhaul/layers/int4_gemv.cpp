@@ -196,8 +196,8 @@ void block_rows(const Problem& p, int64_t b, int64_t g, int64_t m0, float* out) 
 // Three or more bf16 rows with AVX2, 32-row blocks (torch's AVX2 layout): the 8-bit x (as for one or two rows)
 // against panels. Each block's codes are laid out KC inputs at a time as VPMADDUBSW operands in L1, 8 rows × 4
 // inputs a register (a quad of inputs takes 4: rows 0-7 and 8-15 from the low nibbles, 16-23 and 24-31 from the
-// high ones). Tiles of 3 rows × 16 outputs then sum by VPMADDUBSW into 16-bit sums over a QBLOCK (4 quads: at
-// most 4 · 2 · 15 · 127 = 15240), VPMADDWD to 32 bits, and into fp32 outputs kept in registers over the chunk:
+// high ones). Tiles of 2 rows × 32 outputs then sum by VPMADDUBSW into 16-bit sums over a QBLOCK (4 quads: at
+// most 4 · 2 · 15 · 127 = 15240), VPMADDWD to 32 bits, and into fp32 outputs summed over the chunk:
 // y += (s · d) · A per QBLOCK, + (z - 8 s) · X per group (X: the group's sum of the 8-bit x). The codes are laid
 // out once for all the rows, and there is no per-group pass over memory: 1.1-1.6x the FMAs of block_rows at 3-512
 // rows (bench/RESULTS.md "int4 on AVX2: 8-bit panels from 3 rows"). A row's sums run the same operations in the
@@ -231,55 +231,85 @@ inline void pack_chunk_i8(const Problem& p, int64_t blk, int64_t k0, int64_t kc,
   }
 }
 
-// out[TR][16] (+)= TR rows of the 8-bit x (from row r) × a panel of quads; sz [kc / group][2][16]: s, z - 8 s
-template <int TR>
-inline void panel_rows_i8(const Problem& p, int64_t r, int64_t k0, int64_t kc, const __m256i* panel, const float* sz,
-                          float* out, bool first) {
+constexpr int PANEL_TILE = 2;  // rows a tile sums against both panels at once (Zen 3, 1 thread, 9728 x 896: 3 rows
+                                // against one panel 55-59 GMAC/s, 2 against both 66-70, 3 against both 57-61)
+
+// out[h][TR][16] (+)= TR rows of the 8-bit x (from row r) × the block's two panels of quads (h: rows 0-15, 16-31),
+// each x quad broadcast once for all 32 rows; sz[h] [kc / GROUP][2][16]: s, z - 8 s
+template <int TR, int GROUP>
+inline void panel_rows_i8(const Problem& p, int64_t r, int64_t k0, int64_t kc, const __m256i* const (&panel)[2],
+                          const float* const (&sz)[2], float* const (&out)[2], bool first) {
   const int64_t k = p.k, nb = k / QBLOCK;
   const __m256i ones = _mm256_set1_epi16(1);
-  __m256 y[TR][2];
-#pragma GCC unroll 3
-  for (int m = 0; m < TR; ++m)
+  const int8_t* xq[TR];
+  const float* xd[TR];
+  const float* xs[TR];
+  for (int m = 0; m < TR; ++m) {
+    xq[m] = p.xq + (r + m) * k + k0;
+    xd[m] = p.xd + (r + m) * nb + k0 / QBLOCK;
+    xs[m] = p.xs + (r + m) * p.groups + k0 / GROUP;
+  }
+  __m256 y[TR][4];  // column c: outputs (c & 1) * 8 .. + 7 of panel c >> 1
 #pragma GCC unroll 2
-    for (int h = 0; h < 2; ++h) y[m][h] = first ? _mm256_setzero_ps() : _mm256_loadu_ps(out + m * 16 + h * 8);
-  for (int64_t g0 = 0; g0 < kc; g0 += p.group) {
-    const float* s = sz + (g0 / p.group) * 32;
-    for (int64_t b0 = g0; b0 < g0 + p.group; b0 += QBLOCK) {
-      __m256i a[TR][2];
-#pragma GCC unroll 3
-      for (int m = 0; m < TR; ++m) a[m][0] = a[m][1] = _mm256_setzero_si256();
+  for (int m = 0; m < TR; ++m)
+#pragma GCC unroll 4
+    for (int c = 0; c < 4; ++c)
+      y[m][c] = first ? _mm256_setzero_ps() : _mm256_loadu_ps(out[c >> 1] + m * 16 + (c & 1) * 8);
+  for (int64_t g0 = 0; g0 < kc; g0 += GROUP) {
+    const int64_t g = g0 / GROUP;
+    for (int64_t b0 = g0; b0 < g0 + GROUP; b0 += QBLOCK) {  // (unrolling these loops fully read 15 % slower)
+      __m256i a[TR][4];
 #pragma GCC unroll 4
       for (int64_t q = b0 / 4; q < (b0 + QBLOCK) / 4; ++q) {
-        const __m256i w0 = _mm256_load_si256(panel + q * 2), w1 = _mm256_load_si256(panel + q * 2 + 1);
-#pragma GCC unroll 3
+        __m256i w[4];
+#pragma GCC unroll 4
+        for (int c = 0; c < 4; ++c) w[c] = _mm256_load_si256(panel[c >> 1] + q * 2 + (c & 1));
+#pragma GCC unroll 2
         for (int m = 0; m < TR; ++m) {
           int32_t quad;
-          std::memcpy(&quad, p.xq + (r + m) * k + k0 + q * 4, 4);
+          std::memcpy(&quad, xq[m] + q * 4, 4);
           const __m256i xv = _mm256_set1_epi32(quad);
-          a[m][0] = _mm256_add_epi16(a[m][0], _mm256_maddubs_epi16(w0, xv));
-          a[m][1] = _mm256_add_epi16(a[m][1], _mm256_maddubs_epi16(w1, xv));
+#pragma GCC unroll 4
+          for (int c = 0; c < 4; ++c) {
+            const __m256i v = _mm256_maddubs_epi16(w[c], xv);
+            a[m][c] = q == b0 / 4 ? v : _mm256_add_epi16(a[m][c], v);
+          }
         }
       }
-#pragma GCC unroll 3
-      for (int m = 0; m < TR; ++m) {
-        const __m256 d = _mm256_set1_ps(p.xd[(r + m) * nb + (k0 + b0) / QBLOCK]);
 #pragma GCC unroll 2
-        for (int h = 0; h < 2; ++h)
-          y[m][h] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_madd_epi16(a[m][h], ones)),
-                                    _mm256_mul_ps(_mm256_load_ps(s + h * 8), d), y[m][h]);
+      for (int m = 0; m < TR; ++m) {
+        const __m256 d = _mm256_set1_ps(xd[m][b0 / QBLOCK]);
+#pragma GCC unroll 4
+        for (int c = 0; c < 4; ++c)
+          y[m][c] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_madd_epi16(a[m][c], ones)),
+                                    _mm256_mul_ps(_mm256_load_ps(sz[c >> 1] + g * 32 + (c & 1) * 8), d), y[m][c]);
       }
     }
-#pragma GCC unroll 3
-    for (int m = 0; m < TR; ++m) {
-      const __m256 x = _mm256_set1_ps(p.xs[(r + m) * p.groups + (k0 + g0) / p.group]);
 #pragma GCC unroll 2
-      for (int h = 0; h < 2; ++h) y[m][h] = _mm256_fmadd_ps(_mm256_load_ps(s + 16 + h * 8), x, y[m][h]);
+    for (int m = 0; m < TR; ++m) {
+      const __m256 x = _mm256_set1_ps(xs[m][g]);
+#pragma GCC unroll 4
+      for (int c = 0; c < 4; ++c)
+        y[m][c] = _mm256_fmadd_ps(_mm256_load_ps(sz[c >> 1] + g * 32 + 16 + (c & 1) * 8), x, y[m][c]);
     }
   }
-#pragma GCC unroll 3
-  for (int m = 0; m < TR; ++m)
 #pragma GCC unroll 2
-    for (int h = 0; h < 2; ++h) _mm256_storeu_ps(out + m * 16 + h * 8, y[m][h]);
+  for (int m = 0; m < TR; ++m)
+#pragma GCC unroll 4
+    for (int c = 0; c < 4; ++c) _mm256_storeu_ps(out[c >> 1] + m * 16 + (c & 1) * 8, y[m][c]);
+}
+
+// rows m0 .. m1 - 1 against the block's panels, PANEL_TILE rows at a time
+template <int GROUP>
+void panel_tiles_i8(const Problem& p, int64_t m0, int64_t m1, int64_t k0, int64_t kc, const __m256i* const (&panel)[2],
+                    const float* const (&sz)[2], float (&out)[2][MC * 16]) {
+  for (int64_t r = m0; r < m1; r += PANEL_TILE) {
+    float* const o[2] = {out[0] + (r - m0) * 16, out[1] + (r - m0) * 16};
+    if (m1 - r >= PANEL_TILE)
+      panel_rows_i8<PANEL_TILE, GROUP>(p, r, k0, kc, panel, sz, o, k0 == 0);
+    else
+      panel_rows_i8<1, GROUP>(p, r, k0, kc, panel, sz, o, k0 == 0);
+  }
 }
 
 // y [M][N] = the 8-bit x W^T over 32-row blocks blk0 .. blk1 - 1 (one thread's share), MC rows at a time
@@ -307,15 +337,13 @@ void panel_blocks_i8(const Problem& p, int64_t blk0, int64_t blk1, T* y) {
             _mm256_store_ps(sz[j / 2][gi] + 16 + (j & 1) * 8, z);
           }
         }
-        for (int h = 0; h < 2; ++h)
-          for (int64_t r = m0; r < m1; r += 3) {
-            float* o = out[h] + (r - m0) * 16;
-            switch (std::min<int64_t>(m1 - r, 3)) {
-              case 1: panel_rows_i8<1>(p, r, k0, kc, h ? hi : lo, sz[h][0], o, k0 == 0); break;
-              case 2: panel_rows_i8<2>(p, r, k0, kc, h ? hi : lo, sz[h][0], o, k0 == 0); break;
-              default: panel_rows_i8<3>(p, r, k0, kc, h ? hi : lo, sz[h][0], o, k0 == 0); break;
-            }
-          }
+        const __m256i* const panel[2] = {lo, hi};
+        const float* const scales[2] = {sz[0][0], sz[1][0]};
+        switch (p.group) {  // many_row_group: 32, 64 or 128
+          case 32: panel_tiles_i8<32>(p, m0, m1, k0, kc, panel, scales, out); break;
+          case 64: panel_tiles_i8<64>(p, m0, m1, k0, kc, panel, scales, out); break;
+          default: panel_tiles_i8<128>(p, m0, m1, k0, kc, panel, scales, out); break;
+        }
       }
       for (int64_t m = m0; m < m1; ++m)
         for (int64_t j = 0; j < 32; ++j)
