@@ -312,6 +312,19 @@ void panel_tiles_i8(const Problem& p, int64_t m0, int64_t m1, int64_t k0, int64_
   }
 }
 
+// 8 fp32 values to bf16, rounded to nearest even as c10::BFloat16 does (NaN: 0x7FC0), or copied to fp32
+inline void store8(const float* src, at::BFloat16* dst) {
+  const __m256 v = _mm256_loadu_ps(src);
+  const __m256i bits = _mm256_castps_si256(v);
+  const __m256i odd = _mm256_and_si256(_mm256_srli_epi32(bits, 16), _mm256_set1_epi32(1));
+  __m256i r = _mm256_srli_epi32(_mm256_add_epi32(bits, _mm256_add_epi32(odd, _mm256_set1_epi32(0x7fff))), 16);
+  r = _mm256_blendv_epi8(r, _mm256_set1_epi32(0x7fc0), _mm256_castps_si256(_mm256_cmp_ps(v, v, _CMP_UNORD_Q)));
+  _mm_storeu_si128(reinterpret_cast<__m128i*>(dst),
+                   _mm_packus_epi32(_mm256_castsi256_si128(r), _mm256_extracti128_si256(r, 1)));
+}
+
+inline void store8(const float* src, float* dst) { _mm256_storeu_ps(dst, _mm256_loadu_ps(src)); }
+
 // y [M][N] = the 8-bit x W^T over 32-row blocks blk0 .. blk1 - 1 (one thread's share), MC rows at a time
 template <typename T>
 void panel_blocks_i8(const Problem& p, int64_t blk0, int64_t blk1, T* y) {
@@ -346,8 +359,8 @@ void panel_blocks_i8(const Problem& p, int64_t blk0, int64_t blk1, T* y) {
         }
       }
       for (int64_t m = m0; m < m1; ++m)
-        for (int64_t j = 0; j < 32; ++j)
-          y[m * p.n + blk * 32 + j] = static_cast<T>(out[j >> 4][(m - m0) * 16 + (j & 15)]);
+        for (int j = 0; j < 4; ++j)
+          store8(out[j >> 1] + (m - m0) * 16 + (j & 1) * 8, y + m * p.n + blk * 32 + j * 8);
     }
   }
 }
