@@ -460,6 +460,64 @@ void block_rows_i8(const Problem& p, int64_t b, int64_t g, float* out) {
   }
 }
 
+// out[64] += one row of the 8-bit x against group g of unit b, 32-row blocks (AVX2 hosts' decode): block_rows_i8<1>
+// with the 64 fp32 sums in registers instead of a buffer each QBLOCK goes through (Zen 3, 1 thread, in cache:
+// 1.3-1.7x), the same operations in the same order
+inline void block_row1_i8(const Problem& p, int64_t b, int64_t g, float* out) {
+  const int64_t k = p.k, group = p.group;
+  const uint8_t* src0 = p.w + 2 * b * k * 16;
+  const uint8_t* src1 = src0 + k * 16;
+  const __m256i m4 = _mm256_set1_epi8(15);
+  const __m256i ctl = _mm256_setr_epi8(0, 8, 1, 9, 2, 10, 3, 11, 4, 12, 5, 13, 6, 14, 7, 15,
+                                       0, 8, 1, 9, 2, 10, 3, 11, 4, 12, 5, 13, 6, 14, 7, 15);
+  __m256 acc[8];
+  for (int i = 0; i < 8; ++i) acc[i] = _mm256_setzero_ps();
+  for (int64_t k0 = g * group; k0 < (g + 1) * group; k0 += QBLOCK) {
+    __m256i s16[4];
+#pragma GCC unroll 8
+    for (int64_t kk = k0; kk < k0 + QBLOCK; kk += 2) {
+#if PREFETCH
+      _mm_prefetch(reinterpret_cast<const char*>(src0 + kk * 16) + PREFETCH, PREFETCH_HINT);
+      _mm_prefetch(reinterpret_cast<const char*>(src1 + kk * 16) + PREFETCH, PREFETCH_HINT);
+#endif
+      int16_t pair;
+      std::memcpy(&pair, p.xq + kk, 2);
+      const __m256i xv = _mm256_set1_epi16(pair);
+      const uint8_t* src[2] = {src0, src1};
+#pragma GCC unroll 2
+      for (int h = 0; h < 2; ++h) {
+        __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(src[h] + kk * 16));
+        v = _mm256_shuffle_epi8(_mm256_permute4x64_epi64(v, 0xD8), ctl);
+        const __m256i lo = _mm256_maddubs_epi16(_mm256_and_si256(v, m4), xv);
+        const __m256i hi = _mm256_maddubs_epi16(_mm256_and_si256(_mm256_srli_epi16(v, 4), m4), xv);
+        s16[2 * h] = kk == k0 ? lo : _mm256_add_epi16(s16[2 * h], lo);
+        s16[2 * h + 1] = kk == k0 ? hi : _mm256_add_epi16(s16[2 * h + 1], hi);
+      }
+    }
+    const __m256 dv = _mm256_set1_ps(p.xd[k0 / QBLOCK]);
+#pragma GCC unroll 4
+    for (int j = 0; j < 4; ++j) {
+      const __m128i lanes[2] = {_mm256_castsi256_si128(s16[j]), _mm256_extracti128_si256(s16[j], 1)};
+      for (int lane = 0; lane < 2; ++lane)
+        acc[2 * j + lane] =
+            _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_cvtepi16_epi32(lanes[lane])), dv, acc[2 * j + lane]);
+    }
+  }
+  const __m256i high16 = _mm256_set1_epi32(static_cast<int>(0xffff0000u));
+  const uint16_t* szb = unit_scales(p, g, b);
+  const float sx = p.xs[g];
+  const __m256 e = _mm256_set1_ps(8.0f * sx), sxv = _mm256_set1_ps(sx);
+#pragma GCC unroll 8
+  for (int i = 0; i < 8; ++i) {
+    const int r = first_row(32, i >> 1, i & 1);
+    const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(szb + r * 2));
+    const __m256 scale = _mm256_castsi256_ps(_mm256_slli_epi32(v, 16));
+    const __m256 zero = _mm256_castsi256_ps(_mm256_and_si256(v, high16));
+    float* o = out + r;
+    const __m256 y = _mm256_fmadd_ps(scale, _mm256_sub_ps(acc[i], e), _mm256_loadu_ps(o));
+    _mm256_storeu_ps(o, _mm256_fmadd_ps(zero, sxv, y));
+  }
+}
 
 #define AVX512_BF16 __attribute__((target("avx512f,avx512bw,avx512vl,avx512vbmi,avx512bf16")))
 
@@ -758,7 +816,8 @@ void unit(const Problem& p, int64_t b, int64_t g, float* out) {
     return;
   }
   if (p.xq != nullptr) {
-    if (p.m == 1) block_rows_i8<1>(p, b, g, out);
+    if (p.m == 1 && p.block == 32) block_row1_i8(p, b, g, out);
+    else if (p.m == 1) block_rows_i8<1>(p, b, g, out);
     else block_rows_i8<2>(p, b, g, out);
     return;
   }
