@@ -467,9 +467,6 @@ inline void block_row1_i8(const Problem& p, int64_t b, int64_t g, float* out) {
   const int64_t k = p.k, group = p.group;
   const uint8_t* src0 = p.w + 2 * b * k * 16;
   const uint8_t* src1 = src0 + k * 16;
-  const __m256i m4 = _mm256_set1_epi8(15);
-  const __m256i ctl = _mm256_setr_epi8(0, 8, 1, 9, 2, 10, 3, 11, 4, 12, 5, 13, 6, 14, 7, 15,
-                                       0, 8, 1, 9, 2, 10, 3, 11, 4, 12, 5, 13, 6, 14, 7, 15);
   __m256 acc[8];
   for (int i = 0; i < 8; ++i) acc[i] = _mm256_setzero_ps();
   for (int64_t k0 = g * group; k0 < (g + 1) * group; k0 += QBLOCK) {
@@ -480,18 +477,15 @@ inline void block_row1_i8(const Problem& p, int64_t b, int64_t g, float* out) {
       _mm_prefetch(reinterpret_cast<const char*>(src0 + kk * 16) + PREFETCH, PREFETCH_HINT);
       _mm_prefetch(reinterpret_cast<const char*>(src1 + kk * 16) + PREFETCH, PREFETCH_HINT);
 #endif
+      __m256i w[4];
+      unit_pairs(src0 + kk * 16, src1 + kk * 16, 32, w);
       int16_t pair;
       std::memcpy(&pair, p.xq + kk, 2);
       const __m256i xv = _mm256_set1_epi16(pair);
-      const uint8_t* src[2] = {src0, src1};
-#pragma GCC unroll 2
-      for (int h = 0; h < 2; ++h) {
-        __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(src[h] + kk * 16));
-        v = _mm256_shuffle_epi8(_mm256_permute4x64_epi64(v, 0xD8), ctl);
-        const __m256i lo = _mm256_maddubs_epi16(_mm256_and_si256(v, m4), xv);
-        const __m256i hi = _mm256_maddubs_epi16(_mm256_and_si256(_mm256_srli_epi16(v, 4), m4), xv);
-        s16[2 * h] = kk == k0 ? lo : _mm256_add_epi16(s16[2 * h], lo);
-        s16[2 * h + 1] = kk == k0 ? hi : _mm256_add_epi16(s16[2 * h + 1], hi);
+#pragma GCC unroll 4
+      for (int j = 0; j < 4; ++j) {
+        const __m256i v = _mm256_maddubs_epi16(w[j], xv);
+        s16[j] = kk == k0 ? v : _mm256_add_epi16(s16[j], v);
       }
     }
     const __m256 dv = _mm256_set1_ps(p.xd[k0 / QBLOCK]);
