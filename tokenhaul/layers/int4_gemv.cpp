@@ -312,7 +312,7 @@ void panel_tiles_i8(const Problem& p, int64_t m0, int64_t m1, int64_t k0, int64_
   }
 }
 
-// 8 fp32 values to bf16, rounded to nearest even as c10::BFloat16 does (NaN: 0x7FC0), or copied to fp32
+// 8 fp32 values to bf16, rounded to nearest even as c10::BFloat16 does (NaN: 0x7FC0)
 inline void store8(const float* src, at::BFloat16* dst) {
   const __m256 v = _mm256_loadu_ps(src);
   const __m256i bits = _mm256_castps_si256(v);
@@ -323,11 +323,8 @@ inline void store8(const float* src, at::BFloat16* dst) {
                    _mm_packus_epi32(_mm256_castsi256_si128(r), _mm256_extracti128_si256(r, 1)));
 }
 
-inline void store8(const float* src, float* dst) { _mm256_storeu_ps(dst, _mm256_loadu_ps(src)); }
-
 // y [M][N] = the 8-bit x W^T over 32-row blocks blk0 .. blk1 - 1 (one thread's share), MC rows at a time
-template <typename T>
-void panel_blocks_i8(const Problem& p, int64_t blk0, int64_t blk1, T* y) {
+void panel_blocks_i8(const Problem& p, int64_t blk0, int64_t blk1, at::BFloat16* y) {
   alignas(32) __m256i lo[KC / 2], hi[KC / 2];
   alignas(32) float sz[2][KC / 32][32];  // per group: s, z - 8 s of 16 rows (lo / hi)
   alignas(32) float out[2][MC * 16];
