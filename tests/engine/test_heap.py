@@ -23,14 +23,19 @@ def handed_back(outer: int) -> bool:
     return heap._depth == outer and (gc.get_freeze_count() == 0) == (outer == 0)
 
 
-def test_nested_loops_freeze_once_and_hand_back_on_the_last_exit():
+def test_nested_loops_freeze_once_and_hand_back_on_the_last_exit(monkeypatch):
     outer = heap._depth
+    calls: list[str] = []
+    freeze, unfreeze = gc.freeze, gc.unfreeze
+    monkeypatch.setattr(gc, "freeze", lambda: calls.append("freeze") or freeze())
+    monkeypatch.setattr(gc, "unfreeze", lambda: calls.append("unfreeze") or unfreeze())
     with frozen_heap():
-        frozen = gc.get_freeze_count()
-        assert frozen > 1000  # everything the test process held
+        assert gc.get_freeze_count() > 1000  # everything the test process held
         with frozen_heap():
-            assert gc.get_freeze_count() == frozen
-        assert gc.get_freeze_count() == frozen  # the inner exit keeps it frozen
+            pass
+        # The inner exit keeps it frozen. (Not an exact count: a frozen object another thread drops leaves it.)
+        assert gc.get_freeze_count() > 1000
+    assert calls == (["freeze", "unfreeze"] if outer == 0 else [])
     assert handed_back(outer)
 
 
