@@ -24,7 +24,7 @@ import torch
 from torch.utils.cpp_extension import load
 
 from tokenhaul import native
-from tokenhaul.layers.linear_int4 import block_n
+from tokenhaul.layers.linear_int4 import block_n, unquads
 from tokenhaul.layers.linear_sparse import in_parts, part_width
 from tokenhaul.layers.weight_block import huge_page_block
 
@@ -137,11 +137,15 @@ def main() -> None:
     ap.add_argument("--shapes", choices=sorted(SHAPES), default="qwen2.5-0.5b", help="the layer's linears")
     ap.add_argument("--torch-scales", action="store_true",
                     help="int4: scales in torch's order [K / 32, N, 2] (revisions before the unit order need it)")
+    ap.add_argument("--torch-codes", default="", metavar="NAME,...",
+                    help="int4: variants that read 32-row blocks in torch's layout (revisions before the quads): "
+                         "they get the same weights in that layout")
     ap.add_argument("--by-rtt", type=float, default=0, metavar="SECONDS",
                     help="run passes for SECONDS, each between two probes of the CPU 0 <-> 1 cache-line round trip "
                          "(bench/native/core_rtt.c), and split the GB/s by whether the vCPUs shared a CCD")
     ap.add_argument("--both-orders", action="store_true",
-                    help="int4: each variant also timed on the same weights with the scales in torch's order")
+                    help="int4, 64-row blocks: each variant also timed on the same weights with the scales in "
+                         "torch's order")
     ap.add_argument("--one-block", action="store_true",
                     help="each variant also timed on the same weights copied into one huge-page block")
     args = ap.parse_args()
@@ -160,7 +164,9 @@ def main() -> None:
         return sum(t.numel() * t.element_size() for t in c[1:3] if isinstance(t, torch.Tensor))
 
     nbytes = [sum(read(c) for c in calls[i::len(shapes)]) for i in range(len(shapes))]
-    runs = [(name, op, calls) for name, op in ops.items()]
+    old_layout = set(filter(None, args.torch_codes.split(",")))
+    old_calls = [(c[0], unquads(c[1]), *c[2:]) for c in calls] if old_layout and block_n() == 32 else calls
+    runs = [(name, op, old_calls if name in old_layout else calls) for name, op in ops.items()]
     if args.both_orders:
         torch_order = [(c[0], c[1], c[2].transpose(0, 1).reshape(c[2].shape[1], -1, 2), *c[3:]) for c in calls]
         runs = [run for name, op in ops.items()

@@ -57,8 +57,8 @@ def int4_gemv_table(rows: list[int]) -> None:
             nbytes = lins[0].weight.numel() + lins[0].scales_zeros.numel() * 2
             for m in rows:
                 x = torch.randn(m, k).bfloat16()
-                pack = [lambda lin=lin, x=x, sz=lin.torch_scales(): torch.ops.aten._weight_int4pack_mm_for_cpu(
-                    x, lin.weight, 32, sz) for lin in lins]
+                pack = [lambda x=x, w=lin.torch_codes(), sz=lin.torch_scales():
+                        torch.ops.aten._weight_int4pack_mm_for_cpu(x, w, 32, sz) for lin in lins]
                 gemv = [lambda lin=lin, x=x: torch.ops.tokenhaul_int4.gemv(x, lin.weight, lin.scales_zeros, 32,
                                                                             lin.block)
                         for lin in lins]
@@ -88,8 +88,8 @@ def int4_table(rows: list[int]) -> None:
                 for _ in range(copies) for n, k in shapes]
         for m in rows:
             xs = {k: torch.randn(m, k).bfloat16() for _, k in shapes}
-            pack = [lambda lin=lin, x=xs[lin.in_features], sz=lin.torch_scales():
-                    torch.ops.aten._weight_int4pack_mm_for_cpu(x, lin.weight, lin.group, sz) for lin in lins]
+            pack = [lambda lin=lin, x=xs[lin.in_features], w=lin.torch_codes(), sz=lin.torch_scales():
+                    torch.ops.aten._weight_int4pack_mm_for_cpu(x, w, lin.group, sz) for lin in lins]
             gemv = [lambda lin=lin, x=xs[lin.in_features]: torch.ops.tokenhaul_int4.gemv(
                 x, lin.weight, lin.scales_zeros, lin.group, lin.block) for lin in lins]
             dense = [lambda lin=lin, x=xs[lin.in_features]: x @ lin.dense_t() for lin in lins]

@@ -16,7 +16,16 @@ from tiny_models import tiny_model
 from tokenhaul.errors import TokenhaulError
 from tokenhaul.layers import int8_gemv
 from tokenhaul.layers.gguf_weight import GGUFWeight
-from tokenhaul.layers.linear_int4 import Int4Linear, block_n, groups_of, pack_cpu, unpack_cpu
+from tokenhaul.layers.linear_int4 import (
+    Int4Linear,
+    block_n,
+    gemv_layout,
+    groups_of,
+    pack_cpu,
+    quads,
+    unpack_cpu,
+    unquads,
+)
 from tokenhaul.layers.linear_int8 import Int8Linear
 from tokenhaul.layers.linear_sparse import sparsify
 from tokenhaul.layers.quantization import LinearFactory, QuantSpec
@@ -49,10 +58,10 @@ def test_int4_blocks_equal_gguf_dequantize(qtype):
     exact = (q.view(96, 16, 32).float() * scale[..., None] + offset[..., None]).view(96, 512)
     torch.testing.assert_close(exact, ref, rtol=1e-6, atol=1e-7)  # the 4-bit codes are the file's own
     lin = Int4Linear.build([w], None, torch.bfloat16, CPU, 32)
-    assert torch.equal(unpack_cpu(lin.weight, 128, 512, block_n())[:96], q)
+    assert torch.equal(unpack_cpu(lin.torch_codes(), 128, 512, block_n())[:96], q)
     # the kernel itself, fed the identity, returns W^T: only bf16 scales/zeros (and bf16 output) differ
     eye = torch.eye(512, dtype=torch.bfloat16)
-    kernel_w = torch.ops.aten._weight_int4pack_mm_for_cpu(eye, lin.weight, 32, lin.torch_scales()).float().t()
+    kernel_w = torch.ops.aten._weight_int4pack_mm_for_cpu(eye, lin.torch_codes(), 32, lin.torch_scales()).float().t()
     tol = ref.abs().amax(dim=1, keepdim=True) * 2 ** -7
     assert ((kernel_w[:96] - ref).abs() <= tol).all()
     assert ((lin.dequantize() - ref).abs() <= tol).all()
@@ -84,6 +93,12 @@ def test_pack_layout_round_trip():
     assert torch.equal(pack_cpu(q), pack_blocks(q, block_n()))
     for block in (32, 64):
         assert torch.equal(unpack_cpu(pack_blocks(q, block), 192, 96, block), q)
+    packed = pack_blocks(q, 32)  # the GEMV's quads: byte 32 h + 4 r + i of quad t = rows 8 h + r | 16 + 8 h + r
+    quad = quads(packed).view(192 // 32, 96 // 4, 64)  # at input 4 t + i
+    for blk, t, h, r, i in ((0, 0, 0, 0, 0), (1, 3, 1, 5, 2), (5, 23, 1, 7, 3), (2, 10, 0, 3, 1)):
+        row, col = 32 * blk + 8 * h + r, 4 * t + i
+        assert quad[blk, t, 32 * h + 4 * r + i] == q[row, col] | q[row + 16, col] << 4
+    assert torch.equal(unquads(quads(packed)), packed)
 
 
 @pytest.mark.parametrize("block", [32, 64])
@@ -100,15 +115,21 @@ def test_kernels_read_both_layouts(block):
     scale, zero = sz[..., 0].float().t(), sz[..., 1].float().t()  # [n, groups]
     w = ((q.float() - 8).view(n, -1, group) * scale[..., None] + zero[..., None]).view(n, k)
     packed = pack_blocks(q, block)
-    assert torch.equal(torch.ops.tokenhaul_int4.dequant_t(packed, sz, group, block).float(), w.bfloat16().float().t())
+    own = gemv_layout(packed, sz, block)  # scales in unit order; 32-row blocks' codes in quads
+    for codes, scales in ((packed, sz), own):
+        dense = torch.ops.tokenhaul_int4.dequant_t(codes, scales, group, block)
+        assert torch.equal(dense.float(), w.bfloat16().float().t())
     x = torch.randn(3, k, generator=g)
+    if block == 32:
+        with pytest.raises(RuntimeError, match="the GEMV's layout"):
+            torch.ops.tokenhaul_int4.gemv(x, packed, sz, group, block)
     for rows in (x[:1], x):
-        y = torch.ops.tokenhaul_int4.gemv(rows, packed, sz, group, block).double()
+        y = torch.ops.tokenhaul_int4.gemv(rows, *own, group, block).double()
         ref = rows.double() @ w.double().t()
         assert ((y - ref).abs() <= 1e-4 * (rows.double().abs() @ w.double().abs().t()) + 1e-6).all()
     for rows in (x[:1], x[:2], x):  # bf16 activations: the 8-bit path (1-2 rows, where it runs) reads both too
         xb = rows.bfloat16()
-        y = torch.ops.tokenhaul_int4.gemv(xb, packed, sz, group, block).double()
+        y = torch.ops.tokenhaul_int4.gemv(xb, *own, group, block).double()
         eight = int4_gemv.eight_bit_activations(len(rows), group, block)
         ref = (int4_gemv.quantize_activations(xb) if eight else xb).double() @ w.double().t()
         assert ((y - ref).abs() <= 2 ** -8 * ref.abs() + 1e-4 * (xb.double().abs() @ w.double().abs().t())).all()
@@ -244,7 +265,7 @@ def test_int4_gemv_many_rows_in_tiles_as_if_each_row_were_alone(group):
 @pytest.mark.parametrize("group", [32, 64, 128])
 def test_int4_gemv_panels_give_a_row_the_same_bits_in_any_batch(group):
     """With 32-row blocks (AVX2 hosts) bf16 rows of 3 or more take the 8-bit x against panels of codes laid out in
-    L1, in 3-row tiles (int4_gemv.cpp panel_blocks_i8): a row's output is the same, to the bit, wherever it sits in
+    L1, in 2-row tiles (int4_gemv.cpp panel_blocks_i8): a row's output is the same, to the bit, wherever it sits in
     a batch of 3 or more rows and at any thread count (tile remainders, x cut in chunks of 192 rows, K in chunks of
     128 inputs), and equals the 8-bit x times the weight to fp32 rounding and the output's bf16 rounding."""
     from tokenhaul.layers import int4_gemv
@@ -257,7 +278,7 @@ def test_int4_gemv_panels_give_a_row_the_same_bits_in_any_batch(group):
     sz = (torch.randn(k // group, 128, 2, generator=g) * 0.1).bfloat16()
     scale, zero = sz[..., 0].double().t(), sz[..., 1].double().t()
     deq = ((q.double() - 8).view(128, -1, group) * scale[..., None] + zero[..., None]).view(128, k)[:n]
-    packed = pack_blocks(q, 32)
+    packed, sz = gemv_layout(pack_blocks(q, 32), sz, 32)
     x = (torch.randn(203, k, generator=g) * torch.rand(203, 1, generator=g) * 4).bfloat16()
     gemv = torch.ops.tokenhaul_int4.gemv
     before = torch.get_num_threads()
@@ -291,26 +312,32 @@ def test_int4_linear_takes_the_gemv_at_few_rows(monkeypatch):
 
 
 def test_int4_scales_in_unit_order_change_no_bit():
-    """Where every packed call runs the GEMV the scales lie in its unit order [N / 64, K / group, 64, 2]: the GEMV
-    and the dequantization give the same bits as from torch's order, int4pack gets torch's order back when it
-    is reached, and the weight cache keeps torch's order."""
+    """Where every packed call runs the GEMV, codes and scales lie in its own layout (scales in unit order
+    [N / 64, K / group, 64, 2], 32-row blocks' codes in quads): the GEMV gives the same bits as from torch's
+    order where it reads both (64-row blocks), the dequantization does everywhere, int4pack gets torch's
+    layout back when it is reached, and the weight cache keeps torch's layout."""
     lin = Int4Linear.build([torch.randn(200, 256)], None, torch.bfloat16, CPU, 32)
     assert lin.scales_zeros.dim() == 4 and lin.scales_zeros.shape == (256 // 64, 256 // 32, 64, 2)
-    torch_order = lin.torch_scales()
+    torch_order, torch_codes = lin.torch_scales(), lin.torch_codes()
     assert torch_order.shape == (256 // 32, 256, 2)
-    for m in (1, 2, 5):
-        for x in (torch.randn(m, 256), torch.randn(m, 256).bfloat16()):
-            assert torch.equal(torch.ops.tokenhaul_int4.gemv(x, lin.weight, lin.scales_zeros, 32, lin.block),
-                               torch.ops.tokenhaul_int4.gemv(x, lin.weight, torch_order, 32, lin.block))
+    if lin.block == 64:
+        assert torch.equal(lin.weight, torch_codes)
+        for m in (1, 2, 5):
+            for x in (torch.randn(m, 256), torch.randn(m, 256).bfloat16()):
+                assert torch.equal(torch.ops.tokenhaul_int4.gemv(x, lin.weight, lin.scales_zeros, 32, lin.block),
+                                   torch.ops.tokenhaul_int4.gemv(x, lin.weight, torch_order, 32, lin.block))
+    else:
+        assert torch.equal(lin.weight, quads(torch_codes))
     assert torch.equal(torch.ops.tokenhaul_int4.dequant_t(lin.weight, lin.scales_zeros, 32, lin.block),
-                       torch.ops.tokenhaul_int4.dequant_t(lin.weight, torch_order, 32, lin.block))
-    assert torch.equal(lin.state()["scales_zeros"], torch_order)
+                       torch.ops.tokenhaul_int4.dequant_t(torch_codes, torch_order, 32, lin.block))
+    assert torch.equal(lin.state()["scales_zeros"], torch_order) and torch.equal(lin.state()["weight"], torch_codes)
     again = Int4Linear.from_state(lin.state(), CPU)
-    assert torch.equal(again.scales_zeros, lin.scales_zeros)
+    assert torch.equal(again.scales_zeros, lin.scales_zeros) and torch.equal(again.weight, lin.weight)
     x = torch.randn(3, 256).bfloat16()
     y = lin(x)
-    lin.set_rows(1, 56)  # int4pack from 2 rows (AVX-512 hosts without BF16): torch's order
+    lin.set_rows(1, 56)  # int4pack from 2 rows (AVX-512 hosts without BF16): torch's layout
     assert lin.scales_zeros.dim() == 3 and torch.equal(lin.scales_zeros, torch_order)
+    assert torch.equal(lin.weight, torch_codes)
     pack = torch.ops.aten._weight_int4pack_mm_for_cpu(x, lin.weight, 32, lin.scales_zeros)[:, :200]
     assert (lin(x).float() - pack.float()).abs().max() == 0
     assert (y.float() - pack.float()).abs().max() <= 0.02 * pack.float().abs().max()

@@ -1,8 +1,13 @@
 // Int4 packed weights × a few activation rows (tokenhaul/layers/int4_gemv.py): y = x W^T.
 //
-// Reads the CPU int4pack layout as is (see int4_dequant.cpp): rows in blocks of B (64 where torch runs its AVX-512
-// kernels, 32 with AVX2), for each input k a block stores B / 2 bytes, byte j = q[n0 + j] | q[n0 + B / 2 + j] << 4;
-// work is done in units of 64 rows (one or two blocks) whatever B; value = (q - 8) * scale + zero with the
+// Reads the CPU int4pack layout (see int4_dequant.cpp): rows in blocks of B (64 where torch runs its AVX-512
+// kernels, 32 with AVX2), for each input k a block stores B / 2 bytes, byte j = q[n0 + j] | q[n0 + B / 2 + j] << 4.
+// 32-row blocks come in the GEMV's own order (linear_int4.gemv_layout, with the scales in unit order): the same
+// bytes of each quad of inputs k .. k + 3 (64 bytes) transposed, byte 32 h + 4 r + i = q[n0 + 8 h + r, k + i] |
+// q[n0 + 16 + 8 h + r, k + i] << 4, so that a 32-byte half is VPMADDUBSW's operand as it lies: 8 rows × 4 inputs
+// from the low nibbles, the 8 rows 16 further from the high ones (torch's order needs a lane permute and a byte
+// shuffle per two inputs; bench/RESULTS.md "int4 on AVX2: codes in quads"). Work is done in units of 64 rows (one
+// or two blocks) whatever B; value = (q - 8) * scale + zero with the
 // (scale, zero) bf16 pairs either as torch stores them, [K / group, N, 2], or in unit order, [N / 64, K / group,
 // 64, 2]: one sequential stream beside the codes' instead of 256 bytes every N * 4 (1.13-1.17x on Qwen2.5-0.5B's
 // linears from DRAM at one row, bench/RESULTS.md "Scales in unit order"). Per group the codes are summed against
@@ -133,8 +138,23 @@ inline int32_t quantize(const float* x, int64_t n, float amax, int8_t* q) {
 }
 
 #ifdef __AVX2__
+// A quad half's byte i of each row (8 rows) as 32-bit lanes: each 128-bit lane holds 4 rows' quads
+inline __m256i quad_input(const uint8_t* half, int i) {
+  static const __m256i pick[4] = {
+      _mm256_setr_epi8(0, -1, -1, -1, 4, -1, -1, -1, 8, -1, -1, -1, 12, -1, -1, -1,
+                       0, -1, -1, -1, 4, -1, -1, -1, 8, -1, -1, -1, 12, -1, -1, -1),
+      _mm256_setr_epi8(1, -1, -1, -1, 5, -1, -1, -1, 9, -1, -1, -1, 13, -1, -1, -1,
+                       1, -1, -1, -1, 5, -1, -1, -1, 9, -1, -1, -1, 13, -1, -1, -1),
+      _mm256_setr_epi8(2, -1, -1, -1, 6, -1, -1, -1, 10, -1, -1, -1, 14, -1, -1, -1,
+                       2, -1, -1, -1, 6, -1, -1, -1, 10, -1, -1, -1, 14, -1, -1, -1),
+      _mm256_setr_epi8(3, -1, -1, -1, 7, -1, -1, -1, 11, -1, -1, -1, 15, -1, -1, -1,
+                       3, -1, -1, -1, 7, -1, -1, -1, 11, -1, -1, -1, 15, -1, -1, -1)};
+  return _mm256_shuffle_epi8(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(half)), pick[i]);
+}
+
 // out[TM][64] += rows m0.. of x against group g of unit b (64 rows). TM rows at once, SL of the unit's four
-// 8-byte slices at once (each slice: 8 rows from the low nibbles, the 8 rows B / 2 further from the high ones).
+// slices at once (each slice: 8 rows from the low nibbles, the 8 rows B / 2 further from the high ones; with
+// 32-row blocks a slice is a quad half).
 template <int TM, int SL>
 void block_rows(const Problem& p, int64_t b, int64_t g, int64_t m0, float* out) {
   constexpr int A = TM * SL * 2;  // accumulators: [m][slice][low / high nibbles]
@@ -147,22 +167,26 @@ void block_rows(const Problem& p, int64_t b, int64_t g, int64_t m0, float* out) 
     __m256 acc[A];
 #pragma GCC unroll 16
     for (int a = 0; a < A; ++a) acc[a] = _mm256_setzero_ps();
-    const uint8_t* src[SL];  // slice s0 + s: block (s0 + s) / per of the unit, bytes 8 ((s0 + s) % per) on
-    int low[SL];             // the first of the 8 rows its low nibbles hold
+    const uint8_t* src[SL];  // slice s0 + s: block (s0 + s) / per of the unit, 8 ((s0 + s) % per) rows on (bytes
+    int low[SL];             // 8 or, in quads, 32 times that); low: the first of the 8 rows its low nibbles hold
     const int per = static_cast<int>(p.block / 16);  // slices per block
+    const bool quads = p.block == 32;
     for (int s = 0; s < SL; ++s) {
       const int64_t blk = b * (64 / p.block) + (s0 + s) / per, within = (s0 + s) % per;
-      src[s] = p.w + blk * k * stride + g * group * stride + within * 8;
+      src[s] = p.w + blk * k * stride + g * group * stride + within * (quads ? 32 : 8);
       low[s] = static_cast<int>(((s0 + s) / per) * p.block + within * 8);
     }
     for (int64_t kk = g * group; kk < (g + 1) * group; ++kk) {
 #pragma GCC unroll 4
       for (int s = 0; s < SL; ++s) {  // one slice's 16 weights converted, then used by every row of x
 #if PREFETCH
-        if ((s0 + s) % per == 0) _mm_prefetch(reinterpret_cast<const char*>(src[s]) + PREFETCH, PREFETCH_HINT);
+        if ((s0 + s) % per == 0 && (!quads || kk % 4 == 0))
+          _mm_prefetch(reinterpret_cast<const char*>(src[s]) + PREFETCH, PREFETCH_HINT);
 #endif
-        const __m256i v = _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(src[s])));
-        src[s] += stride;
+        const __m256i v = quads ? quad_input(src[s], static_cast<int>(kk % 4))
+                                : _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(src[s])));
+        if (!quads) src[s] += stride;
+        else if (kk % 4 == 3) src[s] += 64;
         const __m256 both = _mm256_cvtepi32_ps(v);  // lo + 16 hi: the low nibbles' sum is taken out after
         const __m256 hi = _mm256_cvtepi32_ps(_mm256_srli_epi32(v, 4));
 #pragma GCC unroll 6
@@ -193,10 +217,10 @@ void block_rows(const Problem& p, int64_t b, int64_t g, int64_t m0, float* out) 
   }
 }
 
-// Three or more bf16 rows with AVX2, 32-row blocks (torch's AVX2 layout): the 8-bit x (as for one or two rows)
-// against panels. Each block's codes are laid out KC inputs at a time as VPMADDUBSW operands in L1, 8 rows × 4
-// inputs a register (a quad of inputs takes 4: rows 0-7 and 8-15 from the low nibbles, 16-23 and 24-31 from the
-// high ones). Tiles of 2 rows × 32 outputs then sum by VPMADDUBSW into 16-bit sums over a QBLOCK (4 quads: at
+// Three or more bf16 rows with AVX2, 32-row blocks (in quads): the 8-bit x (as for one or two rows) against
+// panels. Each block's codes are unpacked KC inputs at a time into VPMADDUBSW operands in L1, 8 rows × 4 inputs a
+// register (a quad of inputs takes 4: rows 0-7 and 8-15 from the low nibbles, 16-23 and 24-31 from the high
+// ones). Tiles of 2 rows × 32 outputs then sum by VPMADDUBSW into 16-bit sums over a QBLOCK (4 quads: at
 // most 4 · 2 · 15 · 127 = 15240), VPMADDWD to 32 bits, and into fp32 outputs summed over the chunk:
 // y += (s · d) · A per QBLOCK, + (z - 8 s) · X per group (X: the group's sum of the 8-bit x). The codes are laid
 // out once for all the rows, and there is no per-group pass over memory: 1.1-1.6x the FMAs of block_rows at 3-512
@@ -205,28 +229,20 @@ void block_rows(const Problem& p, int64_t b, int64_t g, int64_t m0, float* out) 
 constexpr int64_t KC = 128;  // inputs per panel chunk: two panels of 2 KB
 constexpr int64_t MC = 192;  // rows of x against each block in turn (a chunk of their 8-bit x stays in L2)
 
-// lo / hi [kc / 4][2] = the block's rows 0-15 / 16-31 as quads of inputs k0 .. k0 + kc
+// lo / hi [kc / 4][2] = the block's rows 0-15 / 16-31 as quads of inputs k0 .. k0 + kc: the low / high nibbles
+// of its quads' two halves
 inline void pack_chunk_i8(const Problem& p, int64_t blk, int64_t k0, int64_t kc, __m256i* lo, __m256i* hi) {
-  const __m128i m4 = _mm_set1_epi8(15);
+  const __m256i m4 = _mm256_set1_epi8(15);
   const uint8_t* src = p.w + (blk * p.k + k0) * 16;
   for (int64_t q = 0; q < kc / 4; ++q, src += 64) {
 #if PREFETCH
     _mm_prefetch(reinterpret_cast<const char*>(src) + PREFETCH, PREFETCH_HINT);
 #endif
-    __m128i t[2][4];
-#pragma GCC unroll 4
-    for (int i = 0; i < 4; ++i) {
-      const __m128i v = _mm_loadu_si128(reinterpret_cast<const __m128i*>(src + i * 16));
-      t[0][i] = _mm_and_si128(v, m4);
-      t[1][i] = _mm_and_si128(_mm_srli_epi16(v, 4), m4);
-    }
 #pragma GCC unroll 2
-    for (int h = 0; h < 2; ++h) {
-      const __m128i a = _mm_unpacklo_epi8(t[h][0], t[h][1]), b = _mm_unpacklo_epi8(t[h][2], t[h][3]);
-      const __m128i c = _mm_unpackhi_epi8(t[h][0], t[h][1]), d = _mm_unpackhi_epi8(t[h][2], t[h][3]);
-      __m256i* out = h ? hi : lo;
-      out[q * 2] = _mm256_set_m128i(_mm_unpackhi_epi16(a, b), _mm_unpacklo_epi16(a, b));
-      out[q * 2 + 1] = _mm256_set_m128i(_mm_unpackhi_epi16(c, d), _mm_unpacklo_epi16(c, d));
+    for (int i = 0; i < 2; ++i) {
+      const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(src + 32 * i));
+      lo[q * 2 + i] = _mm256_and_si256(v, m4);
+      hi[q * 2 + i] = _mm256_and_si256(_mm256_srli_epi16(v, 4), m4);
     }
   }
 }
@@ -364,62 +380,98 @@ void panel_blocks_i8(const Problem& p, int64_t blk0, int64_t blk1, at::BFloat16*
 
 // 8-bit activations (AVX2, bf16 activations), llama.cpp's way: x is quantized per QBLOCK inputs to int8 (scale
 // d = max|x| / 127) and the codes are multiplied as bytes (vpmaddubsw: unsigned codes × signed x, adjacent pairs
-// summed to int16) — 32 products per instruction instead of 8 FMAs on codes widened to fp32. Codes of inputs k and
-// k + 1 of a row are paired into adjacent bytes by one byte shuffle; 16-bit sums over a block (8 pairs: at most
-// 8 · 2 · 15 · 127 = 30480) are widened and scaled by d into fp32 per group:
+// summed to int16) — 32 products per instruction instead of 8 FMAs on codes widened to fp32. 16-bit sums over a
+// block of QBLOCK inputs (at most 8 · 2 · 15 · 127 = 30480) are widened and scaled by d into fp32 per group:
 //   y[n] += s[g,n] · (A - 8 X) + z[g,n] · X,  A = Σ_blocks d · Σ_k q[n,k] xq[k],  X = Σ_blocks d · Σ_k xq[k].
-// The rows of a 64-row unit sit in four registers, 16 rows (two 128-bit lanes of 8) each: `first_row` says which.
-inline int first_row(int64_t block, int j, int lane) {
-  return block == 32 ? 16 * j + 8 * lane : (j >> 1) * 32 + (j & 1) * 8 + 16 * lane;
-}
 
-// The (k, k + 1) code pairs of the unit's 64 rows. 32-row blocks: each block stores 16 bytes per input (byte i =
-// rows i | i + 16), so inputs k, k + 1 are 32 adjacent bytes; 64-row blocks: 32 bytes per input (rows i | i + 32).
-inline void unit_pairs(const uint8_t* src0, const uint8_t* src1, int64_t block, __m256i (&w)[4]) {
-  const __m256i m = _mm256_set1_epi8(15);
-  if (block == 32) {
-    const __m256i ctl = _mm256_setr_epi8(0, 8, 1, 9, 2, 10, 3, 11, 4, 12, 5, 13, 6, 14, 7, 15,
-                                         0, 8, 1, 9, 2, 10, 3, 11, 4, 12, 5, 13, 6, 14, 7, 15);
-    const uint8_t* src[2] = {src0, src1};
-    for (int b = 0; b < 2; ++b) {  // lanes [k rows 0-7, k + 1 rows 0-7 | k rows 8-15, k + 1 rows 8-15], paired
-      __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(src[b]));
-      v = _mm256_shuffle_epi8(_mm256_permute4x64_epi64(v, 0xD8), ctl);
-      w[2 * b] = _mm256_and_si256(v, m);
-      w[2 * b + 1] = _mm256_and_si256(_mm256_srli_epi16(v, 4), m);
-    }
-  } else {
-    const __m256i a = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(src0));
-    const __m256i b = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(src0 + 32));
-    const __m256i l = _mm256_unpacklo_epi8(a, b), h = _mm256_unpackhi_epi8(a, b);
-    w[0] = _mm256_and_si256(l, m);
-    w[1] = _mm256_and_si256(h, m);
-    w[2] = _mm256_and_si256(_mm256_srli_epi16(l, 4), m);
-    w[3] = _mm256_and_si256(_mm256_srli_epi16(h, 4), m);
-  }
-}
-
-// acc[m][64] += d · (16-bit sums of one block) for TM rows
-template <int TM>
-inline void flush_block(const __m256i (&s16)[TM][4], const float* d, int64_t stride, int64_t block,
-                        float (*acc)[64]) {
-  for (int m = 0; m < TM; ++m) {
-    const __m256 dv = _mm256_set1_ps(d[m * stride]);
-    for (int j = 0; j < 4; ++j)
-      for (int lane = 0; lane < 2; ++lane) {
-        const __m128i part = lane ? _mm256_extracti128_si256(s16[m][j], 1) : _mm256_castsi256_si128(s16[m][j]);
-        float* a = acc[m] + first_row(block, j, lane);
-        _mm256_storeu_ps(a, _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_cvtepi16_epi32(part)), dv, _mm256_loadu_ps(a)));
+// out[TM][64] += TM rows of the 8-bit x against group g of unit b, 32-row blocks in quads (AVX2 hosts' one- and
+// two-row steps): a quad half is a VPMADDUBSW operand as it lies (8 rows × 4 inputs, x's quad broadcast), its
+// 16-bit sums over a QBLOCK (4 quads: at most 4 · 2 · 15 · 127 = 15240) VPMADDWD to 32 bits and into fp32 sums
+// kept in registers. A pass takes V of a block's two 32-byte halves (16 rows each); a row's sums run the same
+// operations in the same order whatever TM.
+template <int TM, int V>
+inline void quad_rows_i8(const Problem& p, int64_t b, int64_t g, float* out) {
+  const int64_t k = p.k, group = p.group, nb = k / QBLOCK;
+  const __m256i m4 = _mm256_set1_epi8(15), ones = _mm256_set1_epi16(1);
+  const __m256i high16 = _mm256_set1_epi32(static_cast<int>(0xffff0000u));
+  const uint16_t* szb = unit_scales(p, g, b);
+  for (int h = 0; h < 2; ++h)
+    for (int v0 = 0; v0 < 2; v0 += V) {
+      const uint8_t* src = p.w + (2 * b + h) * k * 16 + 32 * v0;
+      __m256 acc[TM][2 * V];  // [m][v]: rows 8 (v0 + v) .. + 7 of the block; [m][V + v]: the 8 rows 16 further
+      for (int m = 0; m < TM; ++m)
+        for (int j = 0; j < 2 * V; ++j) acc[m][j] = _mm256_setzero_ps();
+      for (int64_t k0 = g * group; k0 < (g + 1) * group; k0 += QBLOCK) {
+        __m256i s16[TM][2 * V];
+#pragma GCC unroll 4
+        for (int64_t kk = k0; kk < k0 + QBLOCK; kk += 4) {
+#if PREFETCH
+          if (v0 == 0) _mm_prefetch(reinterpret_cast<const char*>(src + kk * 16) + PREFETCH, PREFETCH_HINT);
+#endif
+          __m256i w[2 * V];
+#pragma GCC unroll 2
+          for (int v = 0; v < V; ++v) {
+            const __m256i c = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(src + kk * 16 + 32 * v));
+            w[v] = _mm256_and_si256(c, m4);
+            w[V + v] = _mm256_and_si256(_mm256_srli_epi16(c, 4), m4);
+          }
+#pragma GCC unroll 2
+          for (int m = 0; m < TM; ++m) {
+            int32_t quad;
+            std::memcpy(&quad, p.xq + m * k + kk, 4);
+            const __m256i xv = _mm256_set1_epi32(quad);
+#pragma GCC unroll 4
+            for (int j = 0; j < 2 * V; ++j) {
+              const __m256i v = _mm256_maddubs_epi16(w[j], xv);
+              s16[m][j] = kk == k0 ? v : _mm256_add_epi16(s16[m][j], v);
+            }
+          }
+        }
+#pragma GCC unroll 2
+        for (int m = 0; m < TM; ++m) {
+          const __m256 dv = _mm256_set1_ps(p.xd[m * nb + k0 / QBLOCK]);
+#pragma GCC unroll 4
+          for (int j = 0; j < 2 * V; ++j)
+            acc[m][j] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_madd_epi16(s16[m][j], ones)), dv, acc[m][j]);
+        }
       }
-  }
+#pragma GCC unroll 4
+      for (int j = 0; j < 2 * V; ++j) {
+        const int r = 32 * h + 8 * (v0 + j % V) + 16 * (j / V);
+        const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(szb + r * 2));
+        const __m256 scale = _mm256_castsi256_ps(_mm256_slli_epi32(v, 16));
+        const __m256 zero = _mm256_castsi256_ps(_mm256_and_si256(v, high16));
+#pragma GCC unroll 2
+        for (int m = 0; m < TM; ++m) {
+          const float sx = p.xs[m * p.groups + g];
+          float* o = out + m * 64 + r;
+          const __m256 y = _mm256_fmadd_ps(scale, _mm256_sub_ps(acc[m][j], _mm256_set1_ps(8.0f * sx)),
+                                           _mm256_loadu_ps(o));
+          _mm256_storeu_ps(o, _mm256_fmadd_ps(zero, _mm256_set1_ps(sx), y));
+        }
+      }
+    }
 }
 
-// out[TM][64] += the TM rows of the 8-bit x against group g of unit b
+// 64-row blocks (AVX-512 hosts without VNNI): the codes of inputs k and k + 1 of a row paired into adjacent bytes
+// by one byte interleave. The unit's (k, k + 1) pairs (32 bytes per input: byte i = rows i | i + 32) in four
+// registers, 16 rows (two 128-bit lanes of 8) each: rows 32 (j >> 1) + 8 (j & 1) + 16 lane.
+inline void unit_pairs(const uint8_t* src, __m256i (&w)[4]) {
+  const __m256i m = _mm256_set1_epi8(15);
+  const __m256i a = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(src));
+  const __m256i b = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(src + 32));
+  const __m256i l = _mm256_unpacklo_epi8(a, b), h = _mm256_unpackhi_epi8(a, b);
+  w[0] = _mm256_and_si256(l, m);
+  w[1] = _mm256_and_si256(h, m);
+  w[2] = _mm256_and_si256(_mm256_srli_epi16(l, 4), m);
+  w[3] = _mm256_and_si256(_mm256_srli_epi16(h, 4), m);
+}
+
+// out[TM][64] += the TM rows of the 8-bit x against group g of unit b (one 64-row block)
 template <int TM>
 void block_rows_i8(const Problem& p, int64_t b, int64_t g, float* out) {
   const int64_t k = p.k, group = p.group, groups = p.groups, nb = k / QBLOCK;
-  const uint8_t* src0 = p.block == 32 ? p.w + 2 * b * k * 16 : p.w + b * k * 32;
-  const uint8_t* src1 = src0 + k * 16;  // the unit's second 32-row block
-  const int64_t step = p.block == 32 ? 16 : 32;  // bytes per input
+  const uint8_t* src = p.w + b * k * 32;
   alignas(32) float acc[TM][64] = {};
   for (int64_t k0 = g * group; k0 < (g + 1) * group; k0 += QBLOCK) {
     __m256i s16[TM][4];
@@ -428,10 +480,9 @@ void block_rows_i8(const Problem& p, int64_t b, int64_t g, float* out) {
     for (int64_t kk = k0; kk < k0 + QBLOCK; kk += 2) {
       __m256i w[4];
 #if PREFETCH
-      _mm_prefetch(reinterpret_cast<const char*>(src0 + kk * step) + PREFETCH, PREFETCH_HINT);
-      if (p.block == 32) _mm_prefetch(reinterpret_cast<const char*>(src1 + kk * step) + PREFETCH, PREFETCH_HINT);
+      _mm_prefetch(reinterpret_cast<const char*>(src + kk * 32) + PREFETCH, PREFETCH_HINT);
 #endif
-      unit_pairs(src0 + kk * step, src1 + kk * step, p.block, w);
+      unit_pairs(src + kk * 32, w);
       for (int m = 0; m < TM; ++m) {
         int16_t pair;
         std::memcpy(&pair, p.xq + m * k + kk, 2);
@@ -439,7 +490,15 @@ void block_rows_i8(const Problem& p, int64_t b, int64_t g, float* out) {
         for (int j = 0; j < 4; ++j) s16[m][j] = _mm256_add_epi16(s16[m][j], _mm256_maddubs_epi16(w[j], xv));
       }
     }
-    flush_block<TM>(s16, p.xd + k0 / QBLOCK, nb, p.block, acc);
+    for (int m = 0; m < TM; ++m) {  // acc[m] += d · the block's 16-bit sums
+      const __m256 dv = _mm256_set1_ps(p.xd[m * nb + k0 / QBLOCK]);
+      for (int j = 0; j < 4; ++j)
+        for (int lane = 0; lane < 2; ++lane) {
+          const __m128i part = lane ? _mm256_extracti128_si256(s16[m][j], 1) : _mm256_castsi256_si128(s16[m][j]);
+          float* a = acc[m] + (j >> 1) * 32 + (j & 1) * 8 + 16 * lane;
+          _mm256_storeu_ps(a, _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_cvtepi16_epi32(part)), dv, _mm256_loadu_ps(a)));
+        }
+    }
   }
   const __m256i high16 = _mm256_set1_epi32(static_cast<int>(0xffff0000u));
   const uint16_t* szb = unit_scales(p, g, b);
@@ -454,59 +513,6 @@ void block_rows_i8(const Problem& p, int64_t b, int64_t g, float* out) {
       const __m256 y = _mm256_fmadd_ps(scale, centred, _mm256_loadu_ps(o));
       _mm256_storeu_ps(o, _mm256_fmadd_ps(zero, _mm256_set1_ps(sx), y));
     }
-  }
-}
-
-// out[64] += one row of the 8-bit x against group g of unit b, 32-row blocks (AVX2 hosts' decode): block_rows_i8<1>
-// with the 64 fp32 sums in registers instead of a buffer each QBLOCK goes through (Zen 3, 1 thread, in cache:
-// 1.3-1.7x), the same operations in the same order
-inline void block_row1_i8(const Problem& p, int64_t b, int64_t g, float* out) {
-  const int64_t k = p.k, group = p.group;
-  const uint8_t* src0 = p.w + 2 * b * k * 16;
-  const uint8_t* src1 = src0 + k * 16;
-  __m256 acc[8];
-  for (int i = 0; i < 8; ++i) acc[i] = _mm256_setzero_ps();
-  for (int64_t k0 = g * group; k0 < (g + 1) * group; k0 += QBLOCK) {
-    __m256i s16[4];
-#pragma GCC unroll 8
-    for (int64_t kk = k0; kk < k0 + QBLOCK; kk += 2) {
-#if PREFETCH
-      _mm_prefetch(reinterpret_cast<const char*>(src0 + kk * 16) + PREFETCH, PREFETCH_HINT);
-      _mm_prefetch(reinterpret_cast<const char*>(src1 + kk * 16) + PREFETCH, PREFETCH_HINT);
-#endif
-      __m256i w[4];
-      unit_pairs(src0 + kk * 16, src1 + kk * 16, 32, w);
-      int16_t pair;
-      std::memcpy(&pair, p.xq + kk, 2);
-      const __m256i xv = _mm256_set1_epi16(pair);
-#pragma GCC unroll 4
-      for (int j = 0; j < 4; ++j) {
-        const __m256i v = _mm256_maddubs_epi16(w[j], xv);
-        s16[j] = kk == k0 ? v : _mm256_add_epi16(s16[j], v);
-      }
-    }
-    const __m256 dv = _mm256_set1_ps(p.xd[k0 / QBLOCK]);
-#pragma GCC unroll 4
-    for (int j = 0; j < 4; ++j) {
-      const __m128i lanes[2] = {_mm256_castsi256_si128(s16[j]), _mm256_extracti128_si256(s16[j], 1)};
-      for (int lane = 0; lane < 2; ++lane)
-        acc[2 * j + lane] =
-            _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_cvtepi16_epi32(lanes[lane])), dv, acc[2 * j + lane]);
-    }
-  }
-  const __m256i high16 = _mm256_set1_epi32(static_cast<int>(0xffff0000u));
-  const uint16_t* szb = unit_scales(p, g, b);
-  const float sx = p.xs[g];
-  const __m256 e = _mm256_set1_ps(8.0f * sx), sxv = _mm256_set1_ps(sx);
-#pragma GCC unroll 8
-  for (int i = 0; i < 8; ++i) {
-    const int r = first_row(32, i >> 1, i & 1);
-    const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(szb + r * 2));
-    const __m256 scale = _mm256_castsi256_ps(_mm256_slli_epi32(v, 16));
-    const __m256 zero = _mm256_castsi256_ps(_mm256_and_si256(v, high16));
-    float* o = out + r;
-    const __m256 y = _mm256_fmadd_ps(scale, _mm256_sub_ps(acc[i], e), _mm256_loadu_ps(o));
-    _mm256_storeu_ps(o, _mm256_fmadd_ps(zero, sxv, y));
   }
 }
 
@@ -807,7 +813,8 @@ void unit(const Problem& p, int64_t b, int64_t g, float* out) {
     return;
   }
   if (p.xq != nullptr) {
-    if (p.m == 1 && p.block == 32) block_row1_i8(p, b, g, out);
+    if (p.block == 32 && p.m == 1) quad_rows_i8<1, 2>(p, b, g, out);
+    else if (p.block == 32) quad_rows_i8<2, 1>(p, b, g, out);
     else if (p.m == 1) block_rows_i8<1>(p, b, g, out);
     else block_rows_i8<2>(p, b, g, out);
     return;
@@ -854,7 +861,9 @@ void unit(const Problem& p, int64_t b, int64_t g, float* out) {
     for (int64_t m = 0; m < p.m; ++m) {
       float acc = 0.0f;
       for (int64_t kk = g * p.group; kk < (g + 1) * p.group; ++kk) {
-        const uint8_t byte = p.w[(blk * p.k + kk) * half + within % half];
+        const uint8_t byte = p.block == 32  // in quads
+                                 ? p.w[(blk * p.k + kk / 4 * 4) * 16 + (within % 16) / 8 * 32 + within % 8 * 4 + kk % 4]
+                                 : p.w[(blk * p.k + kk) * half + within % half];
         acc += static_cast<float>(within < half ? byte & 15 : byte >> 4) * p.x[m * p.k + kk];
       }
       const float sx = p.xs[m * p.groups + g];
@@ -901,6 +910,8 @@ static at::Tensor gemv(const at::Tensor& x, const at::Tensor& weight, const at::
   const int64_t n = unit_order ? scales_zeros.size(0) * 64 : scales_zeros.size(1);
   const int64_t k = groups * group, m = x.size(0);
   TORCH_CHECK(block == 32 || block == 64, "block: 32 or 64 rows");
+  TORCH_CHECK(block == 64 || unit_order, "32-row blocks: the GEMV's layout, scales in unit order and codes in quads "
+              "(linear_int4.gemv_layout)");
   TORCH_CHECK(n % 64 == 0 && weight.size(0) == n && weight.size(1) * 2 == k && x.size(1) == k,
               "shapes do not match");
   at::Tensor y = at::detail::empty_cpu({m, n}, x.scalar_type(), false, std::nullopt);  // not through the dispatcher

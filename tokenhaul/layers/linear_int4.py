@@ -54,6 +54,27 @@ def unpack_cpu(w: torch.Tensor, n: int, k: int, block: int) -> torch.Tensor:
     return torch.cat([w & 15, w >> 4], dim=2).transpose(1, 2).reshape(n, k)
 
 
+def gemv_layout(weight: torch.Tensor, scales_zeros: torch.Tensor, block: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """torch's CPU layout → the C++ GEMV's own: scales in unit order [N / 64, K / group, 64, 2] (one stream beside
+    the codes'), and 32-row blocks' codes in quads (`quads`)."""
+    groups, n = scales_zeros.shape[:2]
+    sz = scales_zeros.view(groups, n // 64, 64, 2).transpose(0, 1).contiguous()
+    return (quads(weight) if block == 32 else weight), sz
+
+
+def quads(weight: torch.Tensor) -> torch.Tensor:
+    """torch's 32-row blocks [N, K / 2] with each quad of inputs' 64 bytes transposed: a 32-byte half holds 8 rows
+    × 4 inputs, VPMADDUBSW's operand as it lies (int4_gemv.cpp)."""
+    n, k = weight.shape[0], weight.shape[1] * 2
+    return weight.view(n // 32, k // 4, 4, 2, 8).permute(0, 1, 3, 4, 2).reshape(n, k // 2)
+
+
+def unquads(weight: torch.Tensor) -> torch.Tensor:
+    """The inverse of `quads`."""
+    n, k = weight.shape[0], weight.shape[1] * 2
+    return weight.view(n // 32, k // 4, 2, 8, 4).permute(0, 1, 4, 2, 3).reshape(n, k // 2)
+
+
 @register("int4")
 class Int4Linear(Linear):
     """`gemv_rows` rows or fewer: the C++ GEMV (int4_gemv.py); then `_weight_int4pack_mm_for_cpu` (or the CUDA
@@ -74,7 +95,7 @@ class Int4Linear(Linear):
                  in_features: int, bias: torch.Tensor | None) -> None:
         self.weight = weight  # packed int4, rows padded to a multiple of 64
         self.block = block_n() or 0  # the CPU layout's rows per block (the weight cache is keyed by capability)
-        self.scales_zeros = scales_zeros  # bf16 [K / group, N_padded, 2], or in the GEMV's unit order (set_rows)
+        self.scales_zeros = scales_zeros  # bf16 [K / group, N_padded, 2]; both in the GEMV's layout (set_rows)
         self.group = group
         self.out_features, self.in_features = out_features, in_features
         self.bias = bias
@@ -86,19 +107,22 @@ class Int4Linear(Linear):
 
     def set_rows(self, gemv_rows: int, max_rows: int | None) -> None:
         """Up to `gemv_rows` rows the C++ GEMV, to `max_rows` int4pack, then dequantize + GEMM (None: int4pack at
-        every row count, the batch-invariant setting). Where int4pack is never reached the scales lie in the
-        GEMV's unit order, [N / 64, K / group, 64, 2]: one sequential stream (int4_gemv.cpp)."""
+        every row count, the batch-invariant setting). Where int4pack is never reached, codes and scales lie in the
+        GEMV's own layout (`gemv_layout`)."""
         self.gemv_rows, self.max_rows = gemv_rows, max_rows
-        sz = self.torch_scales()
+        w, sz = self.torch_codes(), self.torch_scales()
         if not self.cuda and gemv_rows > 0 and max_rows is not None and max_rows <= gemv_rows:
-            groups, n = sz.shape[:2]
-            sz = sz.view(groups, n // 64, 64, 2).transpose(0, 1).contiguous()
-        self.scales_zeros = sz
+            w, sz = gemv_layout(w, sz, self.block)
+        self.weight, self.scales_zeros = w, sz
 
     def torch_scales(self) -> torch.Tensor:
-        """The scales in torch's order [K / group, N_padded, 2] (a copy where they lie in unit order)."""
+        """The scales in torch's order [K / group, N_padded, 2] (a copy where they lie in the GEMV's)."""
         sz = self.scales_zeros
         return sz if sz.dim() == 3 else sz.transpose(0, 1).reshape(sz.shape[1], -1, 2)
+
+    def torch_codes(self) -> torch.Tensor:
+        """The codes in torch's CPU layout [N_padded, K / 2] (a copy where they lie in quads)."""
+        return unquads(self.weight) if self.scales_zeros.dim() == 4 and self.block == 32 else self.weight
 
     @classmethod
     def supports(cls, in_features: int, group: int | None) -> bool:
@@ -142,7 +166,7 @@ class Int4Linear(Linear):
         """The weight the kernel multiplies by, [out, in] (CPU layout only)."""
         sz = self.torch_scales().float()
         n, k = sz.shape[1], self.in_features
-        q = unpack_cpu(self.weight, n, k, self.block).view(n, k // self.group, self.group).float()
+        q = unpack_cpu(self.torch_codes(), n, k, self.block).view(n, k // self.group, self.group).float()
         scale, zero = sz[..., 0].t()[..., None], sz[..., 1].t()[..., None]
         w = torch.addcmul(zero - 8 * scale, q, scale).reshape(n, k)
         return w[:self.out_features].to(dtype)
@@ -156,7 +180,7 @@ class Int4Linear(Linear):
                                                       self.block)[:, :self.out_features]
         sz = self.torch_scales()
         n, k, g, b = sz.shape[1], self.in_features, self.group, self.block
-        w = self.weight.view(n // b, k, b // 2)
+        w = self.torch_codes().view(n // b, k, b // 2)
         q = torch.cat([(w & 15).permute(1, 0, 2), (w >> 4).permute(1, 0, 2)], dim=2).view(k // g, g, n)
         sz = sz.view(k // g, 1, n, 2)
         wt = torch.addcmul(sz[..., 1], q.to(torch.bfloat16).sub_(8), sz[..., 0]).view(k, n)
@@ -167,7 +191,7 @@ class Int4Linear(Linear):
 
     def state(self) -> dict[str, torch.Tensor]:
         meta = torch.tensor([self.group, self.out_features, self.in_features])
-        return {"weight": self.weight, "scales_zeros": self.torch_scales(), "meta": meta} | (
+        return {"weight": self.torch_codes(), "scales_zeros": self.torch_scales(), "meta": meta} | (
             {} if self.bias is None else {"bias": self.bias})
 
     @classmethod
