@@ -131,7 +131,11 @@ def _verified(path: Path, sha: str, stamp: Path) -> bool:
             pass
     if sha256_file(path) != sha:
         return False
-    stamp.write_text(json.dumps(key))
+    try:  # whole or not at all (a reader never sees half a stamp); a read-only directory just re-hashes next time
+        with atomic_path(stamp) as tmp:
+            tmp.write_text(json.dumps(key))
+    except OSError:
+        pass
     return True
 
 
