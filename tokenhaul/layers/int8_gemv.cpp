@@ -1,8 +1,9 @@
 // Few-row int8 linear for the CPU (tokenhaul/layers/int8_gemv.py): y [M, N] = (x [M, K] @ W^T) * scale, W int8
-// [N, K] row-major with one scale per row, x bf16, y fp32, M small (decode: passes of up to 8 rows). Each weight row is read once, widened
-// to int16 and multiplied (madd) into every activation row, itself as int16 codes with one scale per row
-// (15 bits, finer than bf16). Threads take contiguous ranges of rows; with one activation row a thread walks its
-// range as STREAMS runs at once (more cache lines in flight per core).
+// [N, K] row-major with one scale per row, x bf16, y fp32, M small (decode: passes of up to 8 rows, all of them
+// over a block of weight rows before the next). Each weight row is read once per pass, widened to int16 and
+// multiplied (madd) into every activation row of the pass, itself as int16 codes with one scale per row (15 bits,
+// finer than bf16). Threads take contiguous ranges of rows; with one activation row a thread walks its range as
+// STREAMS runs at once (more cache lines in flight per core).
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 #include <torch/csrc/inductor/aoti_torch/utils.h>
@@ -102,11 +103,19 @@ void rows_dot(const int8_t* W, const int16_t* Xq, const float* xs, const uint16_
   for (int64_t n = n0 + R * len; n < n1; ++n) dot_rows<M, 1>(W, &n, Xq, xs, S, K, N, Y);
 }
 
-template <int M>
-void run(const int8_t* W, const int16_t* Xq, const float* xs, const uint16_t* S, int64_t K, int64_t N, float* Y) {
-  // grain: at least ~64 KB of weights per task, so a small matrix is not split finer than it pays
-  const int64_t grain = std::max<int64_t>(1, 65536 / std::max<int64_t>(K, 1));
-  at::parallel_for(0, N, grain, [&](int64_t n0, int64_t n1) { rows_dot<M>(W, Xq, xs, S, K, N, n0, n1, Y); });
+// Rows [n0, n1) against one pass's m activation rows (1 <= m <= 8)
+void pass_rows(int64_t m, const int8_t* W, const int16_t* Xq, const float* xs, const uint16_t* S, int64_t K,
+               int64_t N, int64_t n0, int64_t n1, float* Y) {
+  switch (m) {
+    case 1: rows_dot<1>(W, Xq, xs, S, K, N, n0, n1, Y); break;
+    case 2: rows_dot<2>(W, Xq, xs, S, K, N, n0, n1, Y); break;
+    case 3: rows_dot<3>(W, Xq, xs, S, K, N, n0, n1, Y); break;
+    case 4: rows_dot<4>(W, Xq, xs, S, K, N, n0, n1, Y); break;
+    case 5: rows_dot<5>(W, Xq, xs, S, K, N, n0, n1, Y); break;
+    case 6: rows_dot<6>(W, Xq, xs, S, K, N, n0, n1, Y); break;
+    case 7: rows_dot<7>(W, Xq, xs, S, K, N, n0, n1, Y); break;
+    default: rows_dot<8>(W, Xq, xs, S, K, N, n0, n1, Y); break;
+  }
 }
 
 float abs_max(const float* x, int64_t K) {
@@ -141,6 +150,9 @@ void quantize_row(const float* x, int64_t K, float inv, int16_t* q) {
 }  // namespace
 
 constexpr int64_t MAX_ROWS = 8;  // rows per pass over the weights (one template per row count)
+#ifndef PASS_BYTES  // weight rows each task runs every pass over before it moves on (while they stay in L2)
+#define PASS_BYTES 65536
+#endif
 
 // static: a variant built beside the engine's op (bench/gemv_variants.py) keeps its own, not the first one loaded
 static at::Tensor int8_gemv(const at::Tensor& x, const at::Tensor& weight, const at::Tensor& scales) {
@@ -174,21 +186,20 @@ static at::Tensor int8_gemv(const at::Tensor& x, const at::Tensor& weight, const
   at::Tensor y = at::detail::empty_cpu({M, N}, at::kFloat, false, std::nullopt);  // not through the dispatcher
   const int8_t* W = weight.data_ptr<int8_t>();
   const uint16_t* S = reinterpret_cast<const uint16_t*>(scales.data_ptr<at::BFloat16>());
-  for (int64_t m0 = 0; m0 < M; m0 += MAX_ROWS) {  // passes of up to 8 rows: each row is summed the same way
-    const int16_t* X = xq.data() + m0 * K;
-    const float* XS = xs.data() + m0;
-    float* Y = y.data_ptr<float>() + m0 * N;
-    switch (std::min(M - m0, MAX_ROWS)) {
-      case 1: run<1>(W, X, XS, S, K, N, Y); break;
-      case 2: run<2>(W, X, XS, S, K, N, Y); break;
-      case 3: run<3>(W, X, XS, S, K, N, Y); break;
-      case 4: run<4>(W, X, XS, S, K, N, Y); break;
-      case 5: run<5>(W, X, XS, S, K, N, Y); break;
-      case 6: run<6>(W, X, XS, S, K, N, Y); break;
-      case 7: run<7>(W, X, XS, S, K, N, Y); break;
-      default: run<8>(W, X, XS, S, K, N, Y); break;
-    }
-  }
+  const int16_t* X = xq.data();  // the calling thread's buffers (thread_local: not named inside the tasks)
+  const float* XS = xs.data();
+  float* Y = y.data_ptr<float>();
+  // passes of up to 8 rows, each row summed the same way whatever the pass; with more than one pass a task runs
+  // them all over PASS_BYTES of weight rows at a time, so the weight comes from DRAM once, not once per pass.
+  // grain: at least ~64 KB of weights per task, so a small matrix is not split finer than it pays
+  const int64_t grain = std::max<int64_t>(1, 65536 / std::max<int64_t>(K, 1));
+  const int64_t block = M <= MAX_ROWS ? N : std::max<int64_t>(1, PASS_BYTES / std::max<int64_t>(K, 1));
+  at::parallel_for(0, N, grain, [&](int64_t n0, int64_t n1) {
+    for (int64_t b0 = n0; b0 < n1; b0 += block)
+      for (int64_t m0 = 0; m0 < M; m0 += MAX_ROWS)
+        pass_rows(std::min(M - m0, MAX_ROWS), W, X + m0 * K, XS + m0, S, K, N, b0, std::min(n1, b0 + block),
+                  Y + m0 * N);
+  });
   return y;
 }
 
