@@ -229,21 +229,25 @@ void block_rows(const Problem& p, int64_t b, int64_t g, int64_t m0, float* out) 
 constexpr int64_t KC = 128;  // inputs per panel chunk: two panels of 2 KB
 constexpr int64_t MC = 192;  // rows of x against each block in turn (a chunk of their 8-bit x stays in L2)
 
+// A quad half (32 bytes) as two VPMADDUBSW operands: lo = its 8 rows' codes (low nibbles), hi = the 8 rows 16
+// further (high nibbles)
+inline void quad_half(const uint8_t* src, __m256i& lo, __m256i& hi) {
+  const __m256i m4 = _mm256_set1_epi8(15);
+  const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(src));
+  lo = _mm256_and_si256(v, m4);
+  hi = _mm256_and_si256(_mm256_srli_epi16(v, 4), m4);
+}
+
 // lo / hi [kc / 4][2] = the block's rows 0-15 / 16-31 as quads of inputs k0 .. k0 + kc: the low / high nibbles
 // of its quads' two halves
 inline void pack_chunk_i8(const Problem& p, int64_t blk, int64_t k0, int64_t kc, __m256i* lo, __m256i* hi) {
-  const __m256i m4 = _mm256_set1_epi8(15);
   const uint8_t* src = p.w + (blk * p.k + k0) * 16;
   for (int64_t q = 0; q < kc / 4; ++q, src += 64) {
 #if PREFETCH
     _mm_prefetch(reinterpret_cast<const char*>(src) + PREFETCH, PREFETCH_HINT);
 #endif
 #pragma GCC unroll 2
-    for (int i = 0; i < 2; ++i) {
-      const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(src + 32 * i));
-      lo[q * 2 + i] = _mm256_and_si256(v, m4);
-      hi[q * 2 + i] = _mm256_and_si256(_mm256_srli_epi16(v, 4), m4);
-    }
+    for (int i = 0; i < 2; ++i) quad_half(src + 32 * i, lo[q * 2 + i], hi[q * 2 + i]);
   }
 }
 
@@ -392,7 +396,7 @@ void panel_blocks_i8(const Problem& p, int64_t blk0, int64_t blk1, at::BFloat16*
 template <int TM, int V>
 inline void quad_rows_i8(const Problem& p, int64_t b, int64_t g, float* out) {
   const int64_t k = p.k, group = p.group, nb = k / QBLOCK;
-  const __m256i m4 = _mm256_set1_epi8(15), ones = _mm256_set1_epi16(1);
+  const __m256i ones = _mm256_set1_epi16(1);
   const __m256i high16 = _mm256_set1_epi32(static_cast<int>(0xffff0000u));
   const uint16_t* szb = unit_scales(p, g, b);
   for (int h = 0; h < 2; ++h)
@@ -410,11 +414,7 @@ inline void quad_rows_i8(const Problem& p, int64_t b, int64_t g, float* out) {
 #endif
           __m256i w[2 * V];
 #pragma GCC unroll 2
-          for (int v = 0; v < V; ++v) {
-            const __m256i c = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(src + kk * 16 + 32 * v));
-            w[v] = _mm256_and_si256(c, m4);
-            w[V + v] = _mm256_and_si256(_mm256_srli_epi16(c, 4), m4);
-          }
+          for (int v = 0; v < V; ++v) quad_half(src + kk * 16 + 32 * v, w[v], w[V + v]);
 #pragma GCC unroll 2
           for (int m = 0; m < TM; ++m) {
             int32_t quad;
