@@ -12,6 +12,9 @@
 // int8 with bf16 inputs on AVX-512 VNNI hosts: x · scale as 15-bit integers (one scale per input row, as the dense
 // int8 GEMV quantizes its inputs), four kept rows' codes interleaved per 32-bit lane, int32 sums (vpdpbusd): the
 // float pass was bound by its conversions (~13 GB/s a core from L2); fp32 inputs keep the exact float sums.
+// int4 with bf16 inputs on AVX2 hosts without AVX-512: x as int8 per group of inputs (as the dense int4 GEMV's 8-bit
+// path), four kept rows' codes interleaved per 32-bit lane, int16 sums (vpmaddubsw): the float pass spent 7 ops per
+// 16 products on widening nibbles (Qwen2.5-0.5B's linears from DRAM 1.18x, SmolLM2's 1.06x, bench/RESULTS.md).
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 #include <torch/csrc/inductor/aoti_torch/utils.h>
@@ -57,6 +60,11 @@ struct Kept {
   // bytes per quad (one 32-bit word), idx padded to a multiple of four (padding: the last kept row again, weight 0)
   std::vector<uint8_t> hi, lo;
   float qscale = 1.f;
+  // int4 with bf16 inputs on AVX2 hosts without AVX-512: each group's kept x as int8, x ≈ xq · group_scale[g]
+  // (round-to-even of x · 127 / max |x|, as the dense int4 GEMV's 8-bit path), group_codes[g] = Σ xq
+  std::vector<int8_t> xq;
+  std::vector<float> group_scale;
+  std::vector<int32_t> group_codes;
 };
 
 // the kept channels' index and x (in idx, w), in order
@@ -398,6 +406,142 @@ void tile_int8_vnni(const uint8_t* W, int64_t row_bytes, const Kept& k, int64_t 
 }
 #endif
 
+#ifdef __AVX2__
+// Kept::xq / group_scale / group_codes from w and group_end (see there)
+void quantize_kept_int4(Kept& k) {
+  const size_t groups = k.group_end.size();
+  k.xq.resize(k.idx.size());
+  k.group_scale.assign(groups, 0.f);
+  k.group_codes.assign(groups, 0);
+  int32_t j0 = 0;
+  for (size_t g = 0; g < groups; ++g) {
+    const int32_t j1 = k.group_end[g];
+    float most = 0.f;
+    for (int32_t j = j0; j < j1; ++j) most = std::max(most, std::fabs(k.w[j]));
+    const float inv = most > 0.f ? 127.f / most : 0.f;
+    int32_t sum = 0;
+    for (int32_t j = j0; j < j1; ++j) {
+      const int32_t q = static_cast<int32_t>(std::nearbyint(k.w[j] * inv));
+      k.xq[j] = static_cast<int8_t>(q);
+      sum += q;
+    }
+    k.group_scale[g] = most / 127.f;
+    k.group_codes[g] = sum;
+    j0 = j1;
+  }
+}
+
+// 64 columns of one int4 row (32 bytes, per 16 columns 8 bytes) with its 4-byte units reordered 0 2 4 6 1 3 5 7:
+// after the byte interleaving in quads_int4, lanes then come out in column order
+template <bool TAIL>
+inline __m256i codes64(const uint8_t* p, __m256i tail) {
+  const __m256i order = _mm256_setr_epi32(0, 2, 4, 6, 1, 3, 5, 7);
+  const __m256i v = TAIL ? _mm256_maskload_epi32(reinterpret_cast<const int*>(p), tail)
+                         : _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
+  return _mm256_permutevar8x32_epi32(v, order);
+}
+
+// s[0, 8) (int16 sums) += the codes of `quads` quads of rows (r[4 u .. 4 u + 3]) at byte b times their x bytes (xw[u]: the 4 rows' int8 x): the
+// quad's bytes interleaved per column into words (r0, r1, r2, r3), nibbles split, VPMADDUBSW. s[2 i] holds columns
+// 16 i .. 16 i + 7, s[2 i + 1] columns 16 i + 8 .. 16 i + 15, each lane (r0 · x0 + r1 · x1, r2 · x2 + r3 · x3):
+// at most 8 quads (8 · 2 · 15 · 127 = 30480 fits int16)
+template <bool TAIL>
+inline void quads_int4(const uint8_t* const* r, const int32_t* xw, int64_t quads, int64_t b, __m256i tail,
+                       __m256i* s) {
+  const __m256i low = _mm256_set1_epi8(15);
+  for (int64_t u = 0; u < quads; ++u) {
+    const uint8_t* const* p = r + 4 * u;
+    const __m256i a = codes64<TAIL>(p[0] + b, tail), c = codes64<TAIL>(p[1] + b, tail);
+    const __m256i d = codes64<TAIL>(p[2] + b, tail), e = codes64<TAIL>(p[3] + b, tail);
+    const __m256i ac0 = _mm256_unpacklo_epi8(a, c), ac1 = _mm256_unpackhi_epi8(a, c);
+    const __m256i de0 = _mm256_unpacklo_epi8(d, e), de1 = _mm256_unpackhi_epi8(d, e);
+    const __m256i w[4] = {_mm256_unpacklo_epi16(ac0, de0), _mm256_unpackhi_epi16(ac0, de0),
+                          _mm256_unpacklo_epi16(ac1, de1), _mm256_unpackhi_epi16(ac1, de1)};
+    const __m256i xv = _mm256_set1_epi32(xw[u]);
+    for (int i = 0; i < 4; ++i) {
+      s[2 * i] = _mm256_add_epi16(s[2 * i], _mm256_maddubs_epi16(_mm256_and_si256(w[i], low), xv));
+      s[2 * i + 1] = _mm256_add_epi16(
+          s[2 * i + 1], _mm256_maddubs_epi16(_mm256_and_si256(_mm256_srli_epi16(w[i], 4), low), xv));
+    }
+  }
+}
+
+// tile<INT4> with 8-bit x: per read group and 64 columns, the kept rows' codes summed as bytes against the group's
+// int8 x (quads_int4; a last partial quad padded with its last row at x = 0), then out[c] += scale[g, c] · d ·
+// (Σ q xq - 8 Σ xq) + zero[g, c] · d · Σ xq. While a group is summed the next read group's rows are prefetched, a
+// line of each per 64 columns; integer sums, so the order of rows does not change a bit
+void tile_int4_bytes(const uint8_t* W, int64_t row_bytes, const uint16_t* scales, int64_t N, const Kept& k,
+                     int64_t n, float* out) {
+  std::fill(out, out + n, 0.f);
+  const int64_t groups = static_cast<int64_t>(k.group_end.size());
+  auto row = [&](int64_t j) { return W + static_cast<int64_t>(k.idx[j]) * row_bytes; };
+  auto start = [&](int64_t g) { return g ? k.group_end[g - 1] : 0; };
+  auto next_read = [&](int64_t g) {  // the first group after g with a kept channel (groups if none)
+    for (++g; g < groups && k.group_end[g] == start(g); ++g) {}
+    return g;
+  };
+  std::vector<const uint8_t*> r;
+  std::vector<int32_t> xw;
+  int64_t g = next_read(-1);
+  if (g < groups)
+    for (int64_t j = start(g); j < k.group_end[g]; ++j) prefetch(row(j), n / 2);
+  alignas(32) int32_t sums[64];
+  const __m256i ones = _mm256_set1_epi16(1);
+  while (g < groups) {
+    const int64_t j0 = start(g), j1 = k.group_end[g], quads = (j1 - j0 + 3) / 4, after = next_read(g);
+    r.resize(4 * quads);
+    xw.assign(quads, 0);
+    for (int64_t e = 0; e < 4 * quads; ++e) {
+      const int64_t j = std::min(j0 + e, j1 - 1);
+      r[e] = row(j);
+      if (j0 + e < j1) reinterpret_cast<int8_t*>(xw.data())[e] = k.xq[j];
+    }
+    if (after < groups) {
+      prefetch(reinterpret_cast<const uint8_t*>(scales + after * 2 * N), 2 * n);
+      prefetch(reinterpret_cast<const uint8_t*>(scales + (after * 2 + 1) * N), 2 * n);
+    }
+    const int64_t n0 = after < groups ? start(after) : 0, n1 = after < groups ? k.group_end[after] : 0;
+    const uint16_t* s = scales + g * 2 * N;  // this group's scales, then its zeros
+    const uint16_t* o = s + N;
+    const float d = k.group_scale[g];
+    const __m256 dv = _mm256_set1_ps(d), xs = _mm256_set1_ps(d * static_cast<float>(k.group_codes[g]));
+    const __m256i x8 = _mm256_set1_epi32(8 * k.group_codes[g]);
+    for (int64_t c = 0; c < n; c += 64) {
+      // per 128 columns a line of each of the next read group's rows; at the first also the line of each slice's last
+      // byte (slices are not line-aligned)
+      if (c % 128 == 0)
+        for (int64_t j = n0; j < n1; ++j) prefetch(row(j) + c / 2, 1);
+      if (c == 0)
+        for (int64_t j = n0; j < n1; ++j) prefetch(row(j) + n / 2 - 1, 1);
+      const int64_t m = std::min<int64_t>(64, n - c);  // a multiple of 16
+      const __m256i tail = _mm256_cmpgt_epi32(_mm256_set1_epi32(static_cast<int32_t>(m / 2)),
+                                              _mm256_setr_epi32(0, 4, 8, 12, 16, 20, 24, 28));
+      for (int64_t u0 = 0; u0 < quads; u0 += 8) {
+        __m256i acc[8];
+        for (auto& a : acc) a = _mm256_setzero_si256();
+        const int64_t count = std::min<int64_t>(8, quads - u0);
+        if (m == 64) quads_int4<false>(r.data() + 4 * u0, xw.data() + u0, count, c / 2, tail, acc);
+        else quads_int4<true>(r.data() + 4 * u0, xw.data() + u0, count, c / 2, tail, acc);
+        for (int i = 0; i < 8; ++i) {
+          const __m256i v = _mm256_madd_epi16(acc[i], ones);
+          __m256i* at = reinterpret_cast<__m256i*>(sums + 8 * i);
+          _mm256_store_si256(at, u0 ? _mm256_add_epi32(_mm256_load_si256(at), v) : v);
+        }
+      }
+      for (int64_t i = 0; i < m; i += 8) {
+        const __m256 q = _mm256_cvtepi32_ps(_mm256_sub_epi32(_mm256_load_si256(
+            reinterpret_cast<const __m256i*>(sums + i)), x8));
+        const __m256 t = _mm256_fmadd_ps(_mm256_mul_ps(load8<BF16>(reinterpret_cast<const uint8_t*>(s + c + i)), dv),
+                                         q, _mm256_loadu_ps(out + c + i));
+        _mm256_storeu_ps(out + c + i,
+                         _mm256_fmadd_ps(load8<BF16>(reinterpret_cast<const uint8_t*>(o + c + i)), xs, t));
+      }
+    }
+    g = after;
+  }
+}
+#endif
+
 // acc[0, n) += Σ_j w[j] · row_j[0, n) over kept entries [j0, j1) of a part (its rows `row_bytes` apart), four
 // rows per pass; the slices of the kept rows AHEAD entries on (up to the last kept row, across int4 groups) are
 // prefetched
@@ -437,6 +581,11 @@ void tile(const uint8_t* W, int64_t row_bytes, const void* sz, int64_t N, const 
 #ifdef __AVX2__
   if constexpr (K == INT8)
     if (kVnni && k.hi.size() == k.idx.size()) return tile_int8_vnni(W, row_bytes, k, n, out);  // quantized
+#endif
+#ifdef __AVX2__
+  if constexpr (K == INT4)
+    if (!k.group_scale.empty())  // 8-bit x
+      return tile_int4_bytes(W, row_bytes, static_cast<const uint16_t*>(sz) + c0, N, k, n, out);
 #endif
   std::fill(out, out + n, 0.f);
   if constexpr (K != INT4) {
@@ -483,7 +632,23 @@ void tile(const uint8_t* W, int64_t row_bytes, const void* sz, int64_t N, const 
 // out[0, n) = acc + add + bias (fp32, or rounded to bf16 as torch rounds)
 template <typename T>
 void store(const float* acc, float add, const float* bias, int64_t n, T* out) {
-  for (int64_t c = 0; c < n; ++c) {
+  int64_t c = 0;
+#ifdef __AVX2__
+  if constexpr (!std::is_same_v<T, float>) {  // torch's rounding (to nearest even, NaN quiet), 8 at a time
+    const __m256 a = _mm256_set1_ps(add);
+    const __m256i one = _mm256_set1_epi32(1), half = _mm256_set1_epi32(0x7FFF), nan = _mm256_set1_epi32(0x7FC00000);
+    for (; c + 8 <= n; c += 8) {
+      const __m256 v = _mm256_add_ps(_mm256_add_ps(_mm256_loadu_ps(acc + c), a),
+                                     bias ? _mm256_loadu_ps(bias + c) : _mm256_setzero_ps());
+      const __m256i b = _mm256_castps_si256(v);
+      __m256i r = _mm256_add_epi32(b, _mm256_add_epi32(half, _mm256_and_si256(_mm256_srli_epi32(b, 16), one)));
+      r = _mm256_srli_epi32(_mm256_blendv_epi8(r, nan, _mm256_castps_si256(_mm256_cmp_ps(v, v, _CMP_UNORD_Q))), 16);
+      _mm_storeu_si128(reinterpret_cast<__m128i*>(out + c),
+                       _mm_packus_epi32(_mm256_castsi256_si128(r), _mm256_extracti128_si256(r, 1)));
+    }
+  }
+#endif
+  for (; c < n; ++c) {
     const float v = acc[c] + add + (bias ? bias[c] : 0.f);
     if constexpr (std::is_same_v<T, float>) out[c] = v; else out[c] = c10::BFloat16(v);
   }
@@ -552,6 +717,8 @@ static at::Tensor sparse_gemv(const at::Tensor& x, double threshold, const at::T
 #ifdef __AVX2__
   if (kind == INT8 && kVnni && K < 65536 && x.dtype() == at::kBFloat16)  // fp32 inputs: the exact float sums
     for (auto& k : kept) quantize_kept(k);
+  if (kind == INT4 && !kWide && x.dtype() == at::kBFloat16)  // fp32 inputs: the exact float sums
+    for (auto& k : kept) quantize_kept_int4(k);
 #endif
   int64_t* counts = kept_count.data_ptr<int64_t>();
   counts[0] += total;
