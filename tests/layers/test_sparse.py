@@ -100,6 +100,21 @@ def test_int4_bf16_inputs_any_group_and_width(group, n, quantile):
     assert torch.allclose(y, ref, rtol=1e-2, atol=1e-2 * float(ref.abs().max()))
 
 
+@pytest.mark.parametrize("storage", ["bf16", "int8"])
+def test_inputs_not_a_multiple_of_eight(storage):
+    """bf16 inputs are sifted 8 at a time (AVX2, AVX-512: 16): the last K % 8 channels one by one, each kept one
+    counted once and summed."""
+    g = torch.Generator().manual_seed(7)
+    inner = INNER[storage][0](torch.randn(48, 101, generator=g) * 0.1)
+    x = torch.randn(1, 101, generator=g).bfloat16()
+    x[0, -3:] = torch.tensor([2.0, -0.1, -3.0])  # the tail: kept, skipped, kept
+    s = SparseLinear.wrap(inner, threshold=0.5, max_rows=2)
+    y = s(x)
+    assert int(s.kept[0]) == int((x.float().abs() >= 0.5).sum())
+    ref = s.reference(x)
+    assert torch.allclose(y.float(), ref, rtol=1e-2, atol=1e-2 * float(ref.abs().max()))
+
+
 @pytest.mark.parametrize("storage", list(INNER))
 def test_skipped_rows_are_never_read(storage):
     """Poison every stored byte of the skipped inputs' rows (NaN floats and scales, all-ones 4-bit codes): the

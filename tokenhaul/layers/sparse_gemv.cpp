@@ -20,6 +20,7 @@
 #include <torch/csrc/inductor/aoti_torch/utils.h>
 
 #include <algorithm>
+#include <array>
 #include <cmath>
 #include <cstring>
 #include <type_traits>
@@ -110,6 +111,46 @@ AVX512 void kept_of_wide(const uint16_t* x, int64_t K, float t, Kept& k) {
   k.idx.resize(j);
   k.w.resize(j);
 }
+
+// the same with AVX2, 8 channels a step: a compare, and the kept lanes moved to the front by a permutation looked up
+// by the compare's mask (no branch per channel: at 40-60 % kept one in two mispredicted)
+const auto kFront = [] {  // per 8-bit mask, the permutation that puts its set lanes first, in order
+  std::array<std::array<int32_t, 8>, 256> lut{};
+  for (int m = 0; m < 256; ++m) {
+    int j = 0;
+    for (int b = 0; b < 8; ++b)
+      if (m >> b & 1) lut[m][j++] = b;
+  }
+  return lut;
+}();
+
+void kept_of_avx2(const uint16_t* x, int64_t K, float t, Kept& k) {
+  k.idx.resize(K + 8);
+  k.w.resize(K + 8);
+  int32_t* idx = k.idx.data();
+  float* w = k.w.data();
+  const __m256 tv = _mm256_set1_ps(t), sign = _mm256_set1_ps(-0.f);
+  __m256i at = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
+  int64_t i = 0, j = 0;
+  for (; i + 8 <= K; i += 8) {
+    const __m256 v = _mm256_castsi256_ps(
+        _mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(x + i))), 16));
+    const int m = _mm256_movemask_ps(_mm256_cmp_ps(_mm256_andnot_ps(sign, v), tv, _CMP_GE_OQ));
+    const __m256i order = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(kFront[m].data()));
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(idx + j), _mm256_permutevar8x32_epi32(at, order));
+    _mm256_storeu_ps(w + j, _mm256_permutevar8x32_ps(v, order));
+    j += __builtin_popcount(m);
+    at = _mm256_add_epi32(at, _mm256_set1_epi32(8));
+  }
+  for (; i < K; ++i) {
+    const float v = bf16_to_float(x[i]);
+    if (!(std::fabs(v) >= t)) continue;
+    idx[j] = static_cast<int32_t>(i);
+    w[j++] = v;
+  }
+  k.idx.resize(j);
+  k.w.resize(j);
+}
 #endif
 
 // one input row's Kept: the kept channels, then int8: w = x · scale and Σ x · offset; int4: each group's end and Σ x
@@ -117,7 +158,7 @@ template <typename T>
 void find_kept(const T* x, int64_t K, float t, Kind kind, const float* so, int64_t G, Kept& k) {
 #ifdef __AVX2__
   if constexpr (!std::is_same_v<T, float>)
-    if (kWide) kept_of_wide(x, K, t, k); else kept_of(x, K, t, k);
+    if (kWide) kept_of_wide(x, K, t, k); else kept_of_avx2(x, K, t, k);
   else kept_of(x, K, t, k);
 #else
   kept_of(x, K, t, k);
@@ -130,12 +171,13 @@ void find_kept(const T* x, int64_t K, float t, Kind kind, const float* so, int64
       k.w[j] *= so[2 * i];
     }
   } else if (kind == INT4) {  // group_end[g] = number of kept channels below (g + 1) * G
-    k.group_end.assign(K / G, 0);
-    k.group_sum.assign(K / G, 0.f);
-    for (int64_t j = 0; j < n; ++j) k.group_sum[k.idx[j] / G] += k.w[j];
+    k.group_end.resize(K / G);
+    k.group_sum.resize(K / G);
     int64_t j = 0;
     for (int64_t g = 0; g < K / G; ++g) {
-      while (j < n && k.idx[j] < (g + 1) * G) ++j;
+      float sum = 0.f;
+      for (; j < n && k.idx[j] < (g + 1) * G; ++j) sum += k.w[j];
+      k.group_sum[g] = sum;
       k.group_end[g] = static_cast<int32_t>(j);
     }
   }
