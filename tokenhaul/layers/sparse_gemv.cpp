@@ -14,7 +14,8 @@
 // float pass was bound by its conversions (~13 GB/s a core from L2); fp32 inputs keep the exact float sums.
 // int4 with bf16 inputs on AVX2 hosts without AVX-512: x as int8 per group of inputs (as the dense int4 GEMV's 8-bit
 // path), four kept rows' codes interleaved per 32-bit lane, int16 sums (vpmaddubsw): the float pass spent 7 ops per
-// 16 products on widening nibbles (Qwen2.5-0.5B's linears from DRAM 1.18x, SmolLM2's 1.06x, bench/RESULTS.md).
+// 16 products on widening nibbles (with the branch-free search for kept inputs, SmolLM2's and Qwen2.5-0.5B's linears
+// from DRAM 1.29x / 1.26x: bench/RESULTS.md "Sparse int4 on AVX2").
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 #include <torch/csrc/inductor/aoti_torch/utils.h>
@@ -483,10 +484,10 @@ inline __m256i codes64(const uint8_t* p, __m256i tail) {
   return _mm256_permutevar8x32_epi32(v, order);
 }
 
-// s[0, 8) (int16 sums) += the codes of `quads` quads of rows (r[4 u .. 4 u + 3]) at byte b times their x bytes (xw[u]: the 4 rows' int8 x): the
-// quad's bytes interleaved per column into words (r0, r1, r2, r3), nibbles split, VPMADDUBSW. s[2 i] holds columns
-// 16 i .. 16 i + 7, s[2 i + 1] columns 16 i + 8 .. 16 i + 15, each lane (r0 · x0 + r1 · x1, r2 · x2 + r3 · x3):
-// at most 8 quads (8 · 2 · 15 · 127 = 30480 fits int16)
+// s[0, 8) (int16 sums) += the codes of `quads` quads of rows (r[4 u .. 4 u + 3]) at byte b times their x bytes
+// (xw[u]: the 4 rows' int8 x): the quad's bytes interleaved per column into words (r0, r1, r2, r3), nibbles split,
+// VPMADDUBSW. s[2 i] holds columns 16 i .. 16 i + 7, s[2 i + 1] columns 16 i + 8 .. 16 i + 15, each lane
+// (r0 · x0 + r1 · x1, r2 · x2 + r3 · x3): at most 8 quads (8 · 2 · 15 · 127 = 30480 fits int16)
 template <bool TAIL>
 inline void quads_int4(const uint8_t* const* r, const int32_t* xw, int64_t quads, int64_t b, __m256i tail,
                        __m256i* s) {
@@ -511,7 +512,7 @@ inline void quads_int4(const uint8_t* const* r, const int32_t* xw, int64_t quads
 // tile<INT4> with 8-bit x: per read group and 64 columns, the kept rows' codes summed as bytes against the group's
 // int8 x (quads_int4; a last partial quad padded with its last row at x = 0), then out[c] += scale[g, c] · d ·
 // (Σ q xq - 8 Σ xq) + zero[g, c] · d · Σ xq. While a group is summed the next read group's rows are prefetched, a
-// line of each per 64 columns; integer sums, so the order of rows does not change a bit
+// line of each per 128 columns; integer sums, so the order of rows does not change a bit
 void tile_int4_bytes(const uint8_t* W, int64_t row_bytes, const uint16_t* scales, int64_t N, const Kept& k,
                      int64_t n, float* out) {
   std::fill(out, out + n, 0.f);
@@ -623,8 +624,6 @@ void tile(const uint8_t* W, int64_t row_bytes, const void* sz, int64_t N, const 
 #ifdef __AVX2__
   if constexpr (K == INT8)
     if (kVnni && k.hi.size() == k.idx.size()) return tile_int8_vnni(W, row_bytes, k, n, out);  // quantized
-#endif
-#ifdef __AVX2__
   if constexpr (K == INT4)
     if (!k.group_scale.empty())  // 8-bit x
       return tile_int4_bytes(W, row_bytes, static_cast<const uint16_t*>(sz) + c0, N, k, n, out);
