@@ -83,20 +83,27 @@ def test_kernel_matches_float_reference(storage, k_groups, n16, rows, quantile, 
     assert torch.allclose(ref, full, rtol=1e-4, atol=1e-4 * float(full.abs().max()))
 
 
+@pytest.mark.parametrize("threads", [1, 2, 3])
 @pytest.mark.parametrize("group,n,quantile", [(32, 16 * 37, 0.4), (128, 16 * 21, 0.0), (128, 16 * 9, 0.6),
-                                                (64, 16 * 64, 0.97)])
-def test_int4_bf16_inputs_any_group_and_width(group, n, quantile):
+                                                (64, 16 * 64, 0.97), (32, 16 * 80, 0.4)])
+def test_int4_bf16_inputs_any_group_and_width(group, n, quantile, threads):
     """int4 rows with bf16 inputs (AVX2 hosts: codes summed as bytes against 8-bit x, four kept rows a pass): a
     group's kept rows not a multiple of four, more than eight passes a group (128 inputs all kept), widths not a
-    multiple of 64 columns, and groups with nothing kept all give the fp32 sum of the kept rows within 1 %."""
+    multiple of 64 columns, and groups with nothing kept all give the fp32 sum of the kept rows within 1 %, with the
+    columns cut in parts for 1, 2 or 3 threads."""
     g = torch.Generator().manual_seed(group + n)
     k = 4 * group
     inner = Int4Linear.build([torch.randn(n, k, generator=g) * 0.1], None, torch.bfloat16, CPU, group)
     x = torch.randn(1, k, generator=g).bfloat16()
     t = float(x.float().abs().quantile(quantile))
-    s = SparseLinear.wrap(inner, threshold=t, max_rows=2)
-    assert s.storage == "int4" and s.fused
-    y, ref = s(x).float(), s.reference(x)
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        s = SparseLinear.wrap(inner, threshold=t, max_rows=2)
+        assert s.storage == "int4" and s.fused
+        y, ref = s(x).float(), s.reference(x)
+    finally:
+        torch.set_num_threads(before)
     assert torch.allclose(y, ref, rtol=1e-2, atol=1e-2 * float(ref.abs().max()))
 
 
