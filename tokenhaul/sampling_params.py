@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+from collections.abc import Collection
 from dataclasses import dataclass, field
 
 from tokenhaul.errors import RequestError
@@ -81,3 +82,9 @@ class SamplingParams:
     def needs_penalties(self) -> bool:
         return (self.repetition_penalty != 1.0 or self.presence_penalty != 0.0
                 or self.frequency_penalty != 0.0)
+
+    def check_served(self, speculative: Collection[str]) -> None:
+        """Refuse a speculative method the engine does not serve (its proposers: `speculative`)."""
+        if self.speculative != "off" and self.speculative not in speculative:
+            raise RequestError(f"speculative={self.speculative!r} needs an engine started with a draft model "
+                               f"(--draft-model)")

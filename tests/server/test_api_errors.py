@@ -30,12 +30,13 @@ BAD = [
     (CMPL, {"prompt": "x", "max_tokens": 0}, 400, "max_tokens", None),
     (CMPL, {"prompt": "x", "max_tokens": "5"}, 400, "max_tokens", "int_type"),
     (CMPL, {"prompt": "x", "max_tokens": 2.5}, 400, "max_tokens", "int_type"),
-    (CMPL, {"prompt": 5}, 400, None, None),
+    (CMPL, {"prompt": 5}, 400, "prompt", "string_type"),  # a union's branch tags are not named
     (CMPL, {"prompt": "x", "temperature": "hot"}, 400, "temperature", "float_type"),
     (CMPL, {"prompt": "x", "temperature": -1}, 400, "temperature", None),
     (CMPL, {"prompt": "x", "top_p": 0}, 400, "top_p", None),
     (CMPL, {"prompt": "x", "stream": "yes"}, 400, "stream", "bool_type"),
-    (CMPL, {"prompt": "x", "stop": 3}, 400, None, None),
+    (CMPL, {"prompt": "x", "stop": 3}, 400, "stop", None),
+    (CMPL, {"prompt": "x", "stop": ["x"] * 40}, 400, "stop", "too_long"),  # the branch the value's type fits
     (CMPL, {"prompt": "x", "n": 0}, 400, "n", "greater_than_equal"),
     (CMPL, {"prompt": "x", "n": 1000}, 400, "n", "less_than_equal"),
     (CMPL, {"prompt": "x", "logprobs": 50}, 400, "logprobs", None),
@@ -43,6 +44,7 @@ BAD = [
     (CMPL, {"prompt": "x", "echo": True}, 400, None, None),
     (CMPL, {"prompt": "x", "speculative": "medusa"}, 400, None, None),
     (CMPL, {"prompt": "x", "num_speculative_tokens": 99}, 400, None, None),
+    (CMPL, {"prompt": "x", "speculative": "draft"}, 400, None, None),  # no draft model: refused at admission
     (CMPL, {"prompt": LONG}, 400, "prompt", "context_length_exceeded"),
     (CMPL, {"prompt": [10**9]}, 400, None, None),
     (CMPL, {"prompt": [-3, 5]}, 400, None, None),
@@ -52,6 +54,7 @@ BAD = [
     (CHAT, {"messages": []}, 400, "messages", "too_short"),
     (CHAT, {"messages": "hi"}, 400, "messages", "list_type"),
     (CHAT, {"messages": [{"content": "hi"}]}, 400, "messages.0.role", "missing"),
+    (CHAT, {"messages": [{"role": "user", "content": 5}]}, 400, "messages.0.content", None),
     (CHAT, {"messages": [{"role": "user", "content": [{"type": "image_url"}]}]}, 400, None, None),
     (CHAT, {"messages": USER, "top_logprobs": 2}, 400, None, None),
     (CHAT, {"messages": USER, "max_completion_tokens": -5}, 400, "max_tokens", None),
@@ -120,6 +123,21 @@ def test_queue_full_is_429_with_reason(tokenizer):
             t.join()
         assert [x.status_code for x in results] == [200, 200]
         assert "tokenhaul_requests_rejected_total{reason=\"queue_full\"} 1.0" in c.get(srv.url + "/metrics").text
+
+
+def test_refusals_are_counted(tokenizer):
+    """Every refused generation call counts in tokenhaul_requests_rejected_total, whichever check refused it."""
+    engine, _ = script_engine(tokenizer)
+    with ServerThread(build_app(engine)) as srv, httpx.Client(timeout=30) as c:
+        bad = [{"prompt": "x", "max_tokens": "five"},  # the body's schema
+               {"prompt": "x", "stop": ["x"] * 40},
+               {"prompt": "x", "top_k": -5},  # sampling parameters
+               {"prompt": "x", "speculative": "draft"},  # admission
+               {"prompt": LONG}]
+        for body in bad:
+            assert c.post(srv.url + CMPL, json=body).status_code == 400
+        assert c.post(srv.url + CHAT, json={"messages": USER, "top_logprobs": 2}).status_code == 400
+        assert 'tokenhaul_requests_rejected_total{reason="invalid"} 6.0' in c.get(srv.url + "/metrics").text
 
 
 def test_engine_down_is_503(tokenizer):

@@ -89,6 +89,30 @@ def test_script_n_choices_stream(script_server, client):
     assert chunks[-1]["choices"] == [] and usage["completion_tokens"] == 24
 
 
+def test_script_logprobs_bytes_and_offsets_across_split_characters(script_server, client):
+    """The scripted text's CJK and emoji come in tokens carrying parts of a character: chat logprobs' `bytes`
+    join to the content, and completions' `text_offset` is where each token's text starts, streamed or not."""
+    url = script_server[0]
+    base = {"max_tokens": 40, "temperature": 0}
+    r = client.post(url + "/v1/chat/completions", json=base | {"messages": [{"role": "user", "content": "x"}],
+                                                              "logprobs": True, "top_logprobs": 2})
+    choice = r.json()["choices"][0]
+    content, entries = choice["message"]["content"], choice["logprobs"]["content"]
+    assert "🙂" in content and any(e["token"] == "\ufffd" for e in entries)  # split characters are covered
+    assert bytes(b for e in entries for b in e["bytes"]).decode() == content
+    for e in entries:
+        top = {t["token"]: bytes(t["bytes"]) for t in e["top_logprobs"]}
+        assert bytes(e["bytes"]) in top.values()  # greedy: the chosen token is among the top, same bytes
+    body = base | {"prompt": "Start:", "logprobs": 0}
+    plain = client.post(url + CMPL, json=body).json()["choices"][0]
+    chunks, _ = sse(client, url + CMPL, body)
+    streamed = [o for ch in chunks for c in ch["choices"] if c["logprobs"] for o in c["logprobs"]["text_offset"]]
+    offsets, text = plain["logprobs"]["text_offset"], plain["text"]
+    assert streamed == offsets and offsets[0] == 0 and offsets == sorted(offsets)
+    assert {offsets[i] for i in range(len(offsets)) if "🙂" in text[offsets[i]:offsets[i] + 1]}  # lands on it
+    assert all(offsets[i] < len(text) for i in range(len(offsets)))
+
+
 # real model -------------------------------------------------------------------------------------
 PROMPTS = {
     "chinese": "请用中文写一首关于春天的短诗：\n",

@@ -97,6 +97,17 @@ def test_round_trip_and_bos(real_tok: Tokenizer) -> None:
 
 
 @pytest.mark.real_model
+def test_token_bytes_join_to_the_text(real_tok: Tokenizer) -> None:
+    """Each id's bytes (OpenAI's logprobs `bytes`) joined give the text back, where single ids decode to U+FFFD:
+    byte-level ids carrying part of an emoji, byte-fallback ids, SentencePiece's word marks, special tokens."""
+    text = "Rare 𓀀ꙮ🜁, emoji 😀🎉, 中文, café — ok\n\ttabs  two spaces <|im_end|><end_of_turn>"
+    ids = real_tok.encode(text, add_special_tokens=False)
+    pieces = [real_tok.token_bytes(i) for i in ids]
+    assert b"".join(pieces).decode() == text
+    assert b"\xf0" in pieces or b"\xf0\x93" in pieces  # 𓀀 comes in pieces that decode alone to U+FFFD
+
+
+@pytest.mark.real_model
 def test_eos_ids(real_tok: Tokenizer) -> None:
     eot = "<end_of_turn>" if real_tok.name == "gemma3-270m" else "<|im_end|>"
     eot_id = real_tok.backend.token_to_id(eot)

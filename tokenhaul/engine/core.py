@@ -26,7 +26,7 @@ from tokenhaul.engine.runner import ModelRunner
 from tokenhaul.engine.scheduler import Scheduler, SchedulerConfig
 from tokenhaul.engine.step_calibration import load_or_calibrate
 from tokenhaul.engine.step_time import StepTimeModel
-from tokenhaul.errors import CapacityError, RequestError, TokenhaulError
+from tokenhaul.errors import CapacityError, TokenhaulError
 from tokenhaul.kv.block_pool import BlockPool
 from tokenhaul.kv.cache import KVCache
 from tokenhaul.kv.manager import KVHolder, KVManager
@@ -142,9 +142,7 @@ class EngineCore:
         """Queue a request; raises RequestError/CapacityError if it can never run. fork_from: start from
         the blocks held there, as far as its tokens match the prompt (copy-on-write); keep_kv: an empty
         holder that receives the request's blocks when it finishes (release it with `release`)."""
-        if params.speculative not in self.decoder.proposers and params.speculative != "off":
-            raise RequestError(f"speculative={params.speculative!r} needs an engine started with a draft model "
-                               f"(--draft-model)")
+        params.check_served(self.decoder.proposers)
         if params.use_beam_search:
             self.beams.add(request_id, list(prompt_token_ids), params, tuple(eos_token_ids), priority)
             return
@@ -175,7 +173,8 @@ class EngineCore:
 
     def limits(self) -> CoreLimits:
         """What a front end must check before admitting a request (fixed for the core's life)."""
-        return CoreLimits(self.max_model_len, self.pool.block_size, self.pool.num_blocks, self.model.config.vocab_size)
+        return CoreLimits(self.max_model_len, self.pool.block_size, self.pool.num_blocks, self.model.config.vocab_size,
+                          tuple(self.decoder.proposers))
 
     def stats(self) -> CoreStats:
         """A snapshot of the batch, the KV pool and the counters (step_seconds: the caller times steps)."""

@@ -51,6 +51,7 @@ class CoreLimits:
     block_size: int
     num_blocks: int
     vocab_size: int
+    speculative: tuple[str, ...] = ()  # the speculative methods it serves ("off" always)
 
 
 @dataclass(frozen=True)

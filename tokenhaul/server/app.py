@@ -104,6 +104,7 @@ def build_app(engine: AsyncEngine, options: ServerOptions | None = None, manage_
 
     @app.exception_handler(RequestValidationError)
     async def _invalid(request: Request, exc: RequestValidationError) -> JSONResponse:
+        engine.metrics.rejected.labels("invalid").inc()
         return _validation_error(exc).response()
 
     @app.exception_handler(StarletteHTTPException)
@@ -165,18 +166,36 @@ def build_app(engine: AsyncEngine, options: ServerOptions | None = None, manage_
 
 
 def _validation_error(exc: RequestValidationError) -> APIError:
+    """pydantic's errors → one 400: the field named as the client wrote it (a union's branch tags dropped), and
+    what is wrong with it; where its value fit one branch's type, that branch's complaint (a list too long), else
+    what any branch would have taken."""
     errors = list(exc.errors())
     if not errors:
         return APIError(400, "invalid request body")
-    e = errors[0]
-    if e.get("type") == "json_invalid":
-        why = (e.get("ctx") or {}).get("error", "malformed")
+    if errors[0].get("type") == "json_invalid":
+        why = (errors[0].get("ctx") or {}).get("error", "malformed")
         return APIError(400, f"request body is not valid JSON: {why}", code="invalid_json")
-    loc = [str(x) for x in e.get("loc", ()) if x != "body"]
-    param = ".".join(loc) or None
-    more = f" (and {len(errors) - 1} more errors)" if len(errors) > 1 else ""
-    where = f"{param}: " if param else "body: "
-    return APIError(400, f"{where}{e.get('msg', 'invalid')}{more}", param=param, code=e.get("type"))
+    paths = [".".join(str(x) for x in e.get("loc", ()) if x != "body" and not _union_branch(x)) for e in errors]
+
+    def mismatch(i: int) -> bool:
+        return str(errors[i].get("type", "")).endswith("_type")
+
+    best = min(range(len(errors)), key=lambda i: (mismatch(i), -paths[i].count(".")))
+    e, param = errors[best], paths[best] or None
+    msg = str(e.get("msg", "invalid"))
+    if mismatch(best):  # no branch took the value's type: say what each would have taken
+        wants = dict.fromkeys(str(errors[i].get("msg", "")).removeprefix("Input should be ")
+                              for i in range(len(errors)) if paths[i] == paths[best] and mismatch(i))
+        msg = "Input should be " + " or ".join(w for w in wants if w) if len(wants) > 1 else msg
+    others = len(set(paths) - {paths[best]})
+    more = f" (and {others} more error{'s' if others > 1 else ''})" if others else ""
+    return APIError(400, f"{param or 'body'}: {msg}{more}", param=param, code=e.get("type"))
+
+
+def _union_branch(part: object) -> bool:
+    """A location part naming a union's branch ('str', 'list[int]', 'constrained-str'), not a field or index."""
+    return isinstance(part, str) and (part in ("str", "int", "float", "bool", "list", "dict") or "[" in part
+                                      or "-" in part)
 
 
 def serve(engine: AsyncEngine, host: str = "127.0.0.1", port: int = 8000, log_level: str = "info",

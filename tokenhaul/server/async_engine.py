@@ -290,6 +290,7 @@ class AsyncEngine:
         n = len(prompt_ids)
         if n == 0:
             raise RequestError("prompt is empty")
+        params.check_served(lim.speculative)
         if n >= lim.max_model_len:
             raise PromptTooLong(f"prompt has {n} tokens, but the model's context holds {lim.max_model_len} "
                                 f"(prompt + at least 1 new token)")

@@ -5,6 +5,7 @@ chunks, or gathered into one response. A client that disconnects aborts its requ
 from __future__ import annotations
 
 import asyncio
+import codecs
 import contextlib
 import json
 import math
@@ -97,6 +98,7 @@ class OpenAIHandlers:
     def __init__(self, engine: AsyncEngine) -> None:
         self.engine = engine
         self._token_text: dict[int, str] = {}
+        self._token_bytes: dict[int, bytes] = {}
         self._frame_hist = engine.metrics.last_mile.labels("frame")
 
     # shared steps ----------------------------------------------------------------------------
@@ -114,11 +116,22 @@ class OpenAIHandlers:
             self.engine.metrics.rejected.labels(reason).inc()
             raise api_error(e, prompt_param) from None
 
+    def _refused(self, e: TokenhaulError, prompt_param: str = "prompt") -> APIError:
+        """A request refused while it is read (sampling parameters, prompt), counted as rejected."""
+        self.engine.metrics.rejected.labels("invalid").inc()
+        return api_error(e, prompt_param)
+
     def token_text(self, token_id: int) -> str:
         s = self._token_text.get(token_id)
         if s is None:
             s = self._token_text[token_id] = self.engine.tokenizer.decode([token_id], skip_special_tokens=False)
         return s
+
+    def token_bytes(self, token_id: int) -> bytes:
+        b = self._token_bytes.get(token_id)
+        if b is None:
+            b = self._token_bytes[token_id] = self.engine.tokenizer.token_bytes(token_id)
+        return b
 
     async def _gather(self, stream: RequestStream, n: int, request: Request) -> list[_Choice]:
         """Read a stream to its end, one _Choice per choice; aborts the stream if the client
@@ -174,14 +187,14 @@ class OpenAIHandlers:
             params = [body.sampling_params(body.max_tokens if body.max_tokens is not None else 16, body.logprobs, i)
                       for _ in prompts for i in range(body.n)]
         except TokenhaulError as err:
-            raise api_error(err) from None
+            raise self._refused(err) from None
         flat = [p for p in prompts for _ in range(body.n)]
         rid = f"cmpl-{uuid.uuid4().hex}"
         stream = self._admit(flat, params, rid, "prompt")
         created, model = int(time.time()), e.model_name
         n_prompt = sum(len(p) for p in prompts)
         want_lp = body.logprobs is not None
-        offsets = [0] * len(flat)
+        offsets = _TextOffsets(len(flat))
         out_tokens = [0] * len(flat)
 
         def usage() -> dict:
@@ -237,15 +250,14 @@ class OpenAIHandlers:
             self.engine.check_token_ids(p)
         return [list(p) for p in prompts]
 
-    def _completion_logprobs(self, lps: list, offsets: list[int], i: int) -> dict:
+    def _completion_logprobs(self, lps: list, offsets: _TextOffsets, i: int) -> dict:
         tokens, values, tops, text_offset = [], [], [], []
         for lp in lps:
             t = self.token_text(lp.token_id)
             tokens.append(t)
             values.append(_finite(lp.logprob))
             tops.append({self.token_text(tid): _finite(v) for tid, v in lp.top} if lp.top is not None else None)
-            text_offset.append(offsets[i])
-            offsets[i] += len(t)
+            text_offset.append(offsets.advance(i, self.token_bytes(lp.token_id)))
         return {"tokens": tokens, "token_logprobs": values, "top_logprobs": tops, "text_offset": text_offset}
 
     # /v1/chat/completions ----------------------------------------------------------------------
@@ -264,7 +276,7 @@ class OpenAIHandlers:
             lp = (body.top_logprobs or 0) if body.logprobs else None
             params = [body.sampling_params(max_tokens, lp, i) for i in range(body.n)]
         except TokenhaulError as err:
-            raise api_error(err, "messages") from None
+            raise self._refused(err, "messages") from None
         rid = f"chatcmpl-{uuid.uuid4().hex}"
         stream = self._admit([prompt] * body.n, params, rid, "messages")
         created, model = int(time.time()), e.model_name
@@ -315,10 +327,26 @@ class OpenAIHandlers:
         out = []
         for lp in lps:
             t = self.token_text(lp.token_id)
-            top = [{"token": (tt := self.token_text(tid)), "logprob": _finite(v), "bytes": list(tt.encode())}
+            top = [{"token": self.token_text(tid), "logprob": _finite(v), "bytes": list(self.token_bytes(tid))}
                    for tid, v in (lp.top or [])]
-            out.append({"token": t, "logprob": _finite(lp.logprob), "bytes": list(t.encode()), "top_logprobs": top})
+            out.append({"token": t, "logprob": _finite(lp.logprob), "bytes": list(self.token_bytes(lp.token_id)),
+                        "top_logprobs": top})
         return out
+
+
+class _TextOffsets:
+    """Per choice, where the next token's text starts in the choice's text, in characters: a token carrying part of
+    a UTF-8 character adds none until the character is whole."""
+
+    def __init__(self, n: int) -> None:
+        self.chars = [0] * n
+        self._utf8 = [codecs.getincrementaldecoder("utf-8")("replace") for _ in range(n)]
+
+    def advance(self, i: int, data: bytes) -> int:
+        """Choice i's offset before a token of these bytes; then move past it."""
+        at = self.chars[i]
+        self.chars[i] += len(self._utf8[i].decode(data))
+        return at
 
 
 def _num_prompts(prompt: str | list) -> int:

@@ -15,6 +15,7 @@ import jinja2
 from jinja2.ext import loopcontrols
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 from tokenizers import Tokenizer as Backend
+from tokenizers import decoders
 
 from tokenhaul.atomic import atomic_path
 from tokenhaul.errors import ModelError, RequestError
@@ -63,6 +64,7 @@ class Tokenizer:
         # ids whose text is one raw byte: the decoder groups runs of them into UTF-8
         self.byte_fallback_ids = frozenset(i for i in byte_ids if i is not None)
         self._template: jinja2.Template | None = None
+        self._added: dict[int, str] | None = None  # added tokens' text, read on the first token_bytes
 
     @classmethod
     def from_gguf(cls, gguf_path: Path, cache_dir: Path, name: str | None = None) -> Tokenizer:
@@ -106,6 +108,24 @@ class Tokenizer:
         """The vocabulary string of one id ('' for None or an unknown id)."""
         return (self.backend.id_to_token(token_id) or "") if token_id is not None else ""
 
+    def token_bytes(self, token_id: int) -> bytes:
+        """The bytes one id adds to decoded text: for byte-level and byte-fallback vocabularies possibly part of a
+        UTF-8 character (OpenAI's logprobs `bytes`)."""
+        if self._added is None:
+            self._added = {i: t.content for i, t in self.backend.get_added_tokens_decoder().items()}
+        text = self._added.get(token_id)
+        if text is not None:
+            return text.encode()
+        piece = self.token_text(token_id)
+        if token_id in self.byte_fallback_ids:  # "<0xAB>"
+            return bytes([int(piece[3:5], 16)])
+        if isinstance(self.backend.decoder, decoders.ByteLevel):
+            try:
+                return bytes(_BYTE_OF_CHAR[c] for c in piece)
+            except KeyError:
+                pass
+        return piece.replace("\u2581", " ").encode()  # SentencePiece's word mark is a space
+
     def apply_chat_template(
         self, messages: list[dict], add_generation_prompt: bool = True, **variables: Any
     ) -> str:
@@ -127,6 +147,16 @@ class Tokenizer:
             )
         except jinja2.TemplateError as e:
             raise RequestError(f"chat template of model {self.name}: {e}") from None
+
+
+def _byte_of_char() -> dict[str, int]:
+    """GPT-2's byte-level alphabet reversed: each byte is a printable character in vocabulary strings."""
+    kept = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)]
+    moved = [b for b in range(256) if b not in kept]
+    return {chr(b): b for b in kept} | {chr(256 + n): b for n, b in enumerate(moved)}
+
+
+_BYTE_OF_CHAR = _byte_of_char()
 
 
 def _raise_exception(message: str) -> None:
