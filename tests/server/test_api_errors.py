@@ -57,6 +57,9 @@ BAD = [
     (CHAT, {"messages": [{"role": "user", "content": 5}]}, 400, "messages.0.content", None),
     (CHAT, {"messages": [{"role": "user", "content": [{"type": "image_url"}]}]}, 400, None, None),
     (CHAT, {"messages": USER, "top_logprobs": 2}, 400, None, None),
+    (CHAT, {"messages": USER, "response_format": {"type": "json_object"}}, 400, None, None),  # not ignored
+    (CHAT, {"messages": USER, "tools": [{"type": "function", "function": {"name": "f"}}]}, 400, None, None),
+    (CHAT, {"messages": USER, "tool_choice": "auto"}, 400, None, None),
     (CHAT, {"messages": USER, "max_completion_tokens": -5}, 400, "max_tokens", None),
     (CHAT, {"messages": [{"role": "user", "content": LONG}]}, 400, "messages", "context_length_exceeded"),
     (CHAT, {"model": "other", "messages": USER}, 404, "model", "model_not_found"),
@@ -102,6 +105,9 @@ def test_good_request_after_bad_ones(script_server, client):
     r = client.post(url + CMPL, json={"prompt": "Hello", "max_tokens": 5})
     assert r.status_code == 200
     assert r.json()["usage"]["completion_tokens"] == 5
+    r = client.post(url + CHAT, json={"messages": USER, "max_tokens": 3, "response_format": {"type": "text"},
+                                      "tool_choice": "none", "tools": []})
+    assert r.status_code == 200, r.text
 
 
 def test_queue_full_is_429_with_reason(tokenizer):

@@ -265,6 +265,7 @@ class OpenAIHandlers:
         e = self.engine
         self._check_model(body.model)
         try:
+            body.check_unsupported()
             if body.top_logprobs is not None and not body.logprobs:
                 raise RequestError("top_logprobs requires logprobs to be true")
             messages = [m.as_template_dict() for m in body.messages]

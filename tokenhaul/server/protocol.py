@@ -132,6 +132,22 @@ class ChatCompletionRequest(_SamplingFields):
     logprobs: bool = False
     top_logprobs: int | None = None
     max_completion_tokens: int | None = None
+    response_format: dict[str, Any] | None = None
+    tools: list[Any] | None = None
+    tool_choice: str | dict[str, Any] | None = None
+    logit_bias: dict[str, float] | None = None
+
+    def check_unsupported(self) -> None:
+        """Refuse what would otherwise be ignored silently (a client would believe JSON mode or tools were on)."""
+        kind = (self.response_format or {}).get("type", "text")
+        if kind != "text":
+            raise RequestError(f"response_format {kind!r} is not supported (no constrained decoding): use 'text'")
+        if self.tools:
+            raise RequestError("tools are not supported")
+        if self.tool_choice not in (None, "none"):
+            raise RequestError("tool_choice is not supported")
+        if self.logit_bias:
+            raise RequestError("logit_bias is not supported")
 
 
 # responses ---------------------------------------------------------------------------------------
