@@ -124,6 +124,27 @@ def test_generate_speculative_flags(capsys):
 def test_models_listing(capsys):
     code, out, _ = run_cli(capsys, "models")
     assert code == 0 and "smollm2-135m" in out and "(default)" in out
+    code, _, err = run_cli(capsys, "models", "install")
+    assert_one_line_error(code, err, "needs an alias")
+
+
+def test_trace_concurrency_below_one(capsys, tmp_path):
+    code, _, err = run_cli(capsys, "trace", "--prompt", "hi", "--concurrency", "0", "--out", str(tmp_path))
+    assert_one_line_error(code, err, "--concurrency must be at least 1")
+
+
+@pytest.mark.real_model
+def test_generate_logprobs(capsys):
+    """--logprobs N: each token's logprob and its top N, in --json and (on stderr) in plain output."""
+    base = ["generate", "--prompt", "The capital of France is", "--max-tokens", "3", "--temperature", "0",
+            "--ignore-eos", "--logprobs", "2"]
+    code, out, _ = run_cli(capsys, *base, "--json")
+    obj = json.loads(out)
+    assert code == 0 and [e["token_id"] for e in obj["logprobs"]] == obj["token_ids"]
+    for e in obj["logprobs"]:
+        assert len(e["top"]) == 2 and e["top"][0] == [e["token_id"], e["logprob"]] and e["logprob"] <= 0  # greedy
+    code, _, err = run_cli(capsys, *base)
+    assert code == 0 and err.count("[logprob]") == 3
 
 
 def test_bad_decode_tail(capsys):

@@ -104,14 +104,20 @@ def cmd_generate(args: argparse.Namespace, chat: bool = False) -> None:
         out = llm.chat([{"role": "user", "content": args.prompt}], params)[0]
     else:
         out = llm.generate(args.prompt, params)[0]
+    logprobs = [{"token": llm.tokenizer.decode([lp.token_id], skip_special_tokens=False), "token_id": lp.token_id,
+                 "logprob": lp.logprob, "top": [[tid, v] for tid, v in lp.top or []]}
+                for lp in out.logprobs or []] if params.logprobs is not None else None
     if args.json:
-        print(json.dumps({"text": out.text, "token_ids": out.token_ids,
+        print(json.dumps({"text": out.text, "token_ids": out.token_ids, "logprobs": logprobs,
                           "prompt_token_ids": out.prompt_token_ids, "finish_reason": out.finish_reason,
                           "beams": [{"text": b.text, "token_ids": b.token_ids, "score": b.score}
                                     for b in out.beams or []],
                           "ledger": out.ledger.summary() | {"load_seconds": load_s}}, ensure_ascii=False))
         return
     print(out.text)
+    for e in logprobs or []:
+        top = "  ".join(f"{llm.tokenizer.decode([t], skip_special_tokens=False)!r} {v:.3f}" for t, v in e["top"])
+        print(f"[logprob] {e['token']!r} {e['logprob']:.3f}" + (f"  | top: {top}" if top else ""), file=sys.stderr)
     for i, b in enumerate((out.beams or [])[1:], 2):
         print(f"\n[beam {i}] score {b.score:.4f}\n{b.text}")
     if args.ledger:
@@ -121,6 +127,8 @@ def cmd_generate(args: argparse.Namespace, chat: bool = False) -> None:
 
 def cmd_models(args: argparse.Namespace) -> None:
     if args.action == "install":
+        if not args.aliases:
+            raise TokenhaulError(f"models install needs an alias: one of {', '.join(catalog.CATALOG)}")
         for alias in args.aliases:
             catalog.install(alias)
             files = catalog.resolve(alias)  # joins and verifies once
@@ -139,6 +147,8 @@ def cmd_trace(args: argparse.Namespace) -> None:
         return trace_server(args.url, Path(args.out))
     if not args.prompt:
         raise TokenhaulError("trace needs --prompt (or --url of a running server)")
+    if args.concurrency < 1:
+        raise TokenhaulError(f"--concurrency must be at least 1, got {args.concurrency}")
     from tokenhaul.ledger.perfetto import write_trace
     from tokenhaul.ledger.report import text_report, write_report
     from tokenhaul.llm import LLM

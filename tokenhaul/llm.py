@@ -103,6 +103,10 @@ class LLM:
             return self.tokenizer.encode(prompt)
         if not prompt:
             raise RequestError("prompt is empty")
+        vocab = self.model.config.vocab_size
+        bad = next((t for t in prompt if not (isinstance(t, int) and 0 <= t < vocab)), None)
+        if bad is not None:
+            raise RequestError(f"prompt contains token id {bad!r}, outside the vocabulary [0, {vocab})")
         return list(prompt)
 
     def generate(self, prompts: Prompt | list[Prompt], params: SamplingParams | list[SamplingParams] | None = None,
@@ -114,6 +118,8 @@ class LLM:
             prompts = [prompts]
         params = params or SamplingParams()
         plist = params if isinstance(params, list) else [params] * len(prompts)
+        if len(plist) != len(prompts):
+            raise RequestError(f"{len(plist)} sampling params for {len(prompts)} prompts: give one, or one per prompt")
         ledger = Ledger(self.costs, roofline=lambda: machine_roofline(self.costs.device))
         self.core.observer = ledger
         frontend = OutputProcessor(self.tokenizer, ledger)
@@ -123,10 +129,10 @@ class LLM:
             for i, (prompt, p) in enumerate(zip(prompts, plist)):
                 rid = f"gen-{next(self._ids)}"
                 token_ids = self.encode(prompt)
+                ids.append(rid)  # before it is added: a failure below aborts it with the others
                 self.core.add_request(rid, token_ids, p, eos, fork_from=fork_from[i] if fork_from else None,
                                       keep_kv=keep_kv[i] if keep_kv else None)
                 frontend.add(rid, token_ids, p)
-                ids.append(rid)
             with frozen_heap():
                 while self.core.has_unfinished():
                     step = self.core.num_steps

@@ -7,6 +7,7 @@ from drive import run_requests
 
 from tokenhaul.config import EngineConfig
 from tokenhaul.engine.core import EngineCore
+from tokenhaul.errors import RequestError
 from tokenhaul.sampling_params import SamplingParams
 
 pytestmark = pytest.mark.real_model
@@ -110,3 +111,16 @@ def test_bf16_default_agrees_with_fp32(smollm):
         tops.append(logits.argmax(-1))
     agreement = (tops[0] == tops[1]).float().mean().item()
     assert agreement >= 0.9, agreement
+
+
+def test_bad_prompts_leave_the_llm_usable(smollm):
+    """Token ids outside the vocabulary, or params not one per prompt, are refused before anything runs; the
+    same LLM then serves a good prompt with nothing left over from the refused ones."""
+    ref = smollm.generate("Water boils at", GREEDY)[0].token_ids
+    for bad in ([[-1, 5]], [[5, smollm.model.config.vocab_size]], ["fine", [3, -2]]):
+        with pytest.raises(RequestError, match="outside the vocabulary"):
+            smollm.generate(bad, GREEDY)
+        assert not smollm.core.has_unfinished()
+    with pytest.raises(RequestError, match="sampling params for 2 prompts"):
+        smollm.generate(["a b c", "d e f"], [GREEDY])
+    assert smollm.generate("Water boils at", GREEDY)[0].token_ids == ref

