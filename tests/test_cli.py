@@ -108,6 +108,9 @@ def test_generate_json(capsys):
         assert key in led
     # default: SmolLM2's Q4_1 layers stay packed (int4) and its Q8_0 tied lm_head runs int8: ~95 MB per token
     assert 0.9e8 < led["weight_bytes_per_token"] < 1e8
+    # the bf16 cache is read in place (prompt's one block as a view, decodes by the kernel): nothing copied — a
+    # decode's blocks counted both as the kernel's reads and as view slots once made this negative
+    assert led["bytes_per_token"]["kv_gather_bytes"] == 0
 
 
 @pytest.mark.real_model

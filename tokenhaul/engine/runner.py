@@ -12,7 +12,7 @@ from tokenhaul.engine.attention_calls import attention_calls
 from tokenhaul.engine.compiled_decode import CompiledDecode
 from tokenhaul.engine.scheduler import ScheduledChunk, SchedulerOutput
 from tokenhaul.kv.cache import KVCache
-from tokenhaul.layers.attention import AttentionMetadata, AttnGroup
+from tokenhaul.layers.attention import AttentionMetadata, AttnGroup, decodes_in_place
 from tokenhaul.models.registry import Model
 
 
@@ -67,6 +67,9 @@ class ModelRunner:
         self.window = model.config.sliding_window
         self._lone = LoneDecodeInputs()
         self._first_row = torch.zeros(1, dtype=torch.long, device=self.device)  # sample_rows of a one-row step
+        # decodes read by kv/decode_attention.py's kernel: their blocks count as the ledger's direct reads, not as
+        # view slots (counted twice, a batch-1 decode's gathered bytes came out negative)
+        self._direct_decodes = decodes_in_place(kv.dtype, self.device.type, per_query)
 
     def prepare(self, sched: SchedulerOutput) -> ModelInput:
         """Split chunks into attention calls (engine/attention_calls.py: by query length, then by KV
@@ -115,7 +118,8 @@ class ModelRunner:
             shapes.append((q_len, [c.start + q_len for c in chunks]))
         if graph:
             return self._compiled_input(ids, pos, slot_parts[0], groups[0].block_table, sample_chunks, shapes)
-        view_slots = sum(g.block_table.shape[1] * bs for g in groups if g.block_start is not None)
+        view_slots = sum(g.block_table.shape[1] * bs for g in groups
+                         if g.block_start is not None and not (g.q_len == 1 and self._direct_decodes))
         dev = self.device
         meta = AttentionMetadata(torch.tensor(pos, dtype=torch.long).to(dev), torch.cat(slot_parts).to(dev),
                                  [self._to(g) for g in groups], len(ids), self.per_query)
@@ -144,7 +148,8 @@ class ModelRunner:
         decode = (*lone.tensors, lone.table(c.request.block_ids, pos // bs + 1))
         if self.device.type != "cpu":
             decode = tuple(t.to(self.device) for t in decode)
-        return ModelInput(decode[0], None, self._first_row, [c], decode[3].shape[1] * bs, [(1, [pos + 1])], decode)
+        view = 0 if self._direct_decodes else decode[3].shape[1] * bs
+        return ModelInput(decode[0], None, self._first_row, [c], view, [(1, [pos + 1])], decode)
 
     def _compiled_input(self, ids: list[int], pos: list[int], slots: torch.Tensor, table: torch.Tensor,
                         chunks: list[ScheduledChunk], shapes: list[tuple[int, list[int]]]) -> ModelInput:
@@ -155,8 +160,8 @@ class ModelRunner:
         padded = torch.cat([table, table.new_zeros(B, 2 - nb)], 1) if nb < 2 else table
         decode = (torch.tensor(ids, dtype=torch.long).to(dev), torch.tensor(pos, dtype=torch.long).to(dev),
                   slots.to(dev), padded.to(dev))
-        return ModelInput(decode[0], None, torch.arange(B, device=dev), chunks, B * nb * self.block_size, shapes,
-                          decode)
+        view = 0 if self._direct_decodes else B * nb * self.block_size
+        return ModelInput(decode[0], None, torch.arange(B, device=dev), chunks, view, shapes, decode)
 
     @staticmethod
     def _consecutive(block_ids: list[int], n: int) -> int | None:
