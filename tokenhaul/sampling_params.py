@@ -67,8 +67,9 @@ class SamplingParams:
             (isinstance(self.n, int) and 1 <= self.n <= (self.beam_width if self.use_beam_search else 1),
              f"n must be 1, or in [1, beam_width] with use_beam_search, got {self.n!r}"),
             (not self.use_beam_search or (self.speculative == "off" and not self.needs_penalties
-                                          and self.logprobs is None),
-             "use_beam_search does not combine with speculative, penalties or logprobs (beams carry scores)"),
+                                          and self.logprobs is None and not self.stop),
+             "use_beam_search does not combine with speculative, penalties, logprobs (beams carry scores) or stop "
+             "strings (beams end at stop_token_ids and EOS)"),
         ]
         for ok, msg in checks:
             if not ok:
