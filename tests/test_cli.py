@@ -169,3 +169,13 @@ def test_eval_ppl_json_with_decode_tail(capsys):
     assert decoded["decode_tail"] == 24 and decoded["tokens"] == prefill["tokens"] == 3 * 79
     assert set(decoded["parts"]) == {"en", "zh", "code"}
     assert decoded["perplexity"] == pytest.approx(prefill["perplexity"], rel=0.05)
+
+
+def test_boolean_sampling_flags_turn_both_ways():
+    """Each boolean SamplingParams field has --flag and --no-flag: skip_special_tokens defaults to True."""
+    from tokenhaul.cli import build_parser, sampling_params
+
+    parse = build_parser().parse_args
+    assert sampling_params(parse(["generate", "--prompt", "x"])).skip_special_tokens is True
+    off = sampling_params(parse(["generate", "--prompt", "x", "--no-skip-special-tokens", "--ignore-eos"]))
+    assert off.skip_special_tokens is False and off.ignore_eos is True

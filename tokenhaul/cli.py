@@ -63,8 +63,8 @@ def add_sampling_args(p: argparse.ArgumentParser) -> None:
     for f in dataclasses.fields(SamplingParams):
         flag = "--" + f.name.replace("_", "-")
         default = f.default if f.default is not dataclasses.MISSING else f.default_factory()
-        if isinstance(default, bool):
-            p.add_argument(flag, action="store_true", default=default)
+        if isinstance(default, bool):  # --flag / --no-flag: a default of True can be turned off
+            p.add_argument(flag, action=argparse.BooleanOptionalAction, default=default)
         elif isinstance(default, list):
             elem = int if f.name.endswith("_ids") else str
             p.add_argument(flag, type=elem, action="append", default=None,
