@@ -3,6 +3,7 @@ ones (norms, biases) become fp32 tensors. layers/quantization.py decides what ea
 
 from __future__ import annotations
 
+import dataclasses
 from pathlib import Path
 
 import numpy as np
@@ -39,4 +40,7 @@ def load_gguf(path: Path) -> tuple[ModelConfig, dict[str, GGUFWeight | torch.Ten
             perm = rope_permutation(w.shape[0], heads)
             w = w.permute_rows(perm) if isinstance(w, GGUFWeight) else w[torch.from_numpy(perm)]
         tensors[t.name] = w
+    embed = tensors.get("token_embd.weight")
+    if not config.vocab_size and embed is not None:  # no `{arch}.vocab_size` key, and the token list is not read
+        config = dataclasses.replace(config, vocab_size=int(embed.shape[0]))
     return config, tensors
