@@ -103,10 +103,7 @@ class LLM:
             return self.tokenizer.encode(prompt)
         if not prompt:
             raise RequestError("prompt is empty")
-        vocab = self.model.config.vocab_size
-        bad = next((t for t in prompt if not (isinstance(t, int) and 0 <= t < vocab)), None)
-        if bad is not None:
-            raise RequestError(f"prompt contains token id {bad!r}, outside the vocabulary [0, {vocab})")
+        self.core.limits().check_token_ids(prompt)
         return list(prompt)
 
     def generate(self, prompts: Prompt | list[Prompt], params: SamplingParams | list[SamplingParams] | None = None,

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from tokenhaul.errors import RequestError
 from tokenhaul.sampling_params import SamplingParams
 
 
@@ -52,6 +53,12 @@ class CoreLimits:
     num_blocks: int
     vocab_size: int
     speculative: tuple[str, ...] = ()  # the speculative methods it serves ("off" always)
+
+    def check_token_ids(self, ids: list[int]) -> None:
+        """Client-given token ids must index the model's vocabulary."""
+        bad = next((t for t in ids if not (isinstance(t, int) and 0 <= t < self.vocab_size)), None)
+        if bad is not None:
+            raise RequestError(f"prompt contains token id {bad!r}, outside the vocabulary [0, {self.vocab_size})")
 
 
 @dataclass(frozen=True)

@@ -278,11 +278,7 @@ class AsyncEngine:
         return await asyncio.to_thread(render)
 
     def check_token_ids(self, ids: list[int]) -> None:
-        """Client-given token ids must index the model's vocabulary."""
-        v = self.limits.vocab_size
-        bad = next((t for t in ids if not 0 <= t < v), None)
-        if bad is not None:
-            raise RequestError(f"prompt contains token id {bad}, outside the vocabulary [0, {v})")
+        self.limits.check_token_ids(ids)
 
     def check_prompt(self, prompt_ids: list[int], params: SamplingParams) -> None:
         """What the core's scheduler would refuse at admission, refused here first (as HTTP 400)."""
