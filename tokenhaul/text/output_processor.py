@@ -1,6 +1,9 @@
 """OutputProcessor: the front end's half of the engine loop. Token-id deltas from the core become
 text deltas (one Detokenizer per request); stop strings finish requests, which the caller must then
-abort in the core. It never touches tensors."""
+abort in the core. It never touches tensors.
+
+A request the core stopped at a stop token (EOS unless ignore_eos, or one of stop_token_ids) keeps
+the token in token_ids but not its text, unless include_stop_str_in_output (as vLLM)."""
 
 from __future__ import annotations
 
@@ -20,6 +23,7 @@ class OutputProcessor:
         self.outputs: dict[str, RequestOutput] = {}
         self._detok: dict[str, Detokenizer] = {}
         self._params: dict[str, SamplingParams] = {}
+        self._stop_ids: dict[str, frozenset[int]] = {}
 
     def add(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams) -> RequestOutput:
         out = RequestOutput(request_id, list(prompt_token_ids))
@@ -27,6 +31,7 @@ class OutputProcessor:
             out.logprobs = []
         self.outputs[request_id] = out
         self._params[request_id] = params
+        self._stop_ids[request_id] = self._silent_stop_ids(params)
         self._detok[request_id] = Detokenizer(self.tokenizer, prompt_token_ids, params.stop,
                                               params.skip_special_tokens, params.include_stop_str_in_output)
         return out
@@ -44,12 +49,14 @@ class OutputProcessor:
             out.token_ids += d.new_token_ids
             if out.logprobs is not None:
                 out.logprobs += [TokenLogprob(s.token, s.logprob, s.top_logprobs) for s in d.samples]
+            stop_ids = self._stop_ids[d.request_id]
             if d.beams is not None:
                 skip = self._params[d.request_id].skip_special_tokens
-                out.beams = [BeamOutput(ids, self.tokenizer.decode(ids, skip_special_tokens=skip), score)
-                             for ids, score in d.beams]
+                out.beams = [BeamOutput(ids, self.tokenizer.decode(_text_ids(ids, stop_ids), skip_special_tokens=skip),
+                                        score) for ids, score in d.beams]
             t1 = time.perf_counter()
-            text = detok.push(d.new_token_ids)
+            new = d.new_token_ids
+            text = detok.push(_text_ids(new, stop_ids) if d.finish_reason == "stop" else new)
             if detok.stopped:
                 out.finished, out.finish_reason, out.stop_reason = True, "stop", detok.stop_reason
                 if not d.finished:
@@ -82,6 +89,19 @@ class OutputProcessor:
         self._drop(request_id)
         return self.outputs.pop(request_id, None)
 
+    def _silent_stop_ids(self, params: SamplingParams) -> frozenset[int]:
+        """The stop tokens whose text a stop leaves out (none with include_stop_str_in_output)."""
+        if params.include_stop_str_in_output:
+            return frozenset()
+        eos = () if params.ignore_eos else self.tokenizer.eos_token_ids
+        return frozenset(params.stop_token_ids).union(eos)
+
     def _drop(self, request_id: str) -> None:
         self._detok.pop(request_id, None)
         self._params.pop(request_id, None)
+        self._stop_ids.pop(request_id, None)
+
+
+def _text_ids(ids: list[int], stop_ids: frozenset[int]) -> list[int]:
+    """The ids of a sequence that ended at a stop whose text shows: all but a final stop token."""
+    return ids[:-1] if ids and ids[-1] in stop_ids else ids

@@ -1,0 +1,54 @@
+"""OutputProcessor: the text of a request's output as the core's token-id deltas arrive."""
+
+from __future__ import annotations
+
+import pytest
+
+from tokenhaul.engine.messages import RequestDelta, Sample
+from tokenhaul.sampling_params import SamplingParams
+from tokenhaul.text.output_processor import OutputProcessor
+from tokenhaul.text.tokenizer import Tokenizer
+
+
+def feed(tok: Tokenizer, params: SamplingParams, ids: list[int], finish_reason: str | None,
+         sizes: list[int] | None = None):
+    """Send ids as the core would (chunks of `sizes`, one by one by default), the last delta finishing
+    with finish_reason (None: the request is still running). The output, and the ids the front end
+    asked to abort."""
+    proc = OutputProcessor(tok)
+    proc.add("r", tok.encode("hi"), params)
+    sizes, i, aborted = list(sizes or []), 0, []
+    while i < len(ids):
+        n = sizes.pop(0) if sizes else 1
+        chunk, i = ids[i:i + n], i + n
+        last = i >= len(ids) and finish_reason is not None
+        _, stopped = proc.process([RequestDelta("r", chunk, last, finish_reason if last else None,
+                                                [Sample(t, -1.0) for t in chunk])])
+        aborted += stopped
+    return proc.release("r"), aborted
+
+
+@pytest.mark.parametrize("include", [False, True])
+def test_stop_token_text_dropped_unless_included(tiny: Tokenizer, include: bool) -> None:
+    ids = tiny.encode("hello world")
+    params = SamplingParams(stop_token_ids=[ids[-1]], include_stop_str_in_output=include)
+    out, _ = feed(tiny, params, ids, "stop")
+    assert out.token_ids == ids and out.finish_reason == "stop"
+    assert out.text == ("hello world" if include else "hello")
+
+
+@pytest.mark.parametrize("skip", [False, True])
+@pytest.mark.parametrize("include", [False, True])
+def test_eos_text_follows_the_same_rule(tiny: Tokenizer, skip: bool, include: bool) -> None:
+    ids = tiny.encode("ab<|im_end|>")
+    params = SamplingParams(skip_special_tokens=skip, include_stop_str_in_output=include)
+    out, _ = feed(tiny, params, ids, "stop")
+    assert out.token_ids == ids
+    assert out.text == ("ab<|im_end|>" if include and not skip else "ab")
+
+
+def test_stop_token_id_not_at_a_stop_keeps_its_text(tiny: Tokenizer) -> None:
+    """A stop-token id in the middle (ignore_eos), or the last token of a length finish, is ordinary text."""
+    ids = tiny.encode("a<|im_end|>b<|im_end|>")
+    out, _ = feed(tiny, SamplingParams(ignore_eos=True, skip_special_tokens=False), ids, "length")
+    assert out.text == "a<|im_end|>b<|im_end|>"
