@@ -44,6 +44,22 @@ def test_greedy_equals_plain_on_10_prompts(smollm, plain, spec):
     assert smollm.core.pool.num_used == 0
 
 
+def test_stop_string_ends_token_ids_as_plain(smollm, plain):
+    """A stop string inside a run of accepted drafts: token_ids (and logprobs) end at the token that
+    completed it, as in plain decoding, not at the last accepted draft."""
+    prompt, stop = PROMPTS[7], " leaves"  # smollm copies the train sentence: the stop ends inside accepted drafts
+    assert stop in smollm.tokenizer.decode(plain[7])
+    outs = smollm.generate([prompt, prompt], [SamplingParams(max_tokens=24, temperature=0, ignore_eos=True,
+                                                             stop=[stop], logprobs=0, speculative=spec,
+                                                             num_speculative_tokens=4)
+                                              for spec in ("off", "prompt_lookup")])
+    ref, spec = outs
+    assert ref.finish_reason == spec.finish_reason == "stop" and spec.stop_reason == stop
+    assert spec.text == ref.text and spec.token_ids == ref.token_ids
+    assert [lp.token_id for lp in spec.logprobs] == spec.token_ids
+    assert spec.ledger.summary()["accepted_tokens"] > 0
+
+
 CODE = [f"def {name}(" for name in ("fibonacci", "quicksort", "is_prime", "reverse_string", "gcd", "flatten",
                                      "binary_search", "factorial", "count_words", "merge_sorted")]
 

@@ -52,3 +52,15 @@ def test_stop_token_id_not_at_a_stop_keeps_its_text(tiny: Tokenizer) -> None:
     ids = tiny.encode("a<|im_end|>b<|im_end|>")
     out, _ = feed(tiny, SamplingParams(ignore_eos=True, skip_special_tokens=False), ids, "length")
     assert out.text == "a<|im_end|>b<|im_end|>"
+
+
+@pytest.mark.parametrize("sizes", [[3, 5, 4], [20], [1, 7, 2]])
+def test_drafts_past_a_stop_string_are_not_output(tiny: Tokenizer, sizes: list[int]) -> None:
+    """Verified drafts arrive several per delta: token_ids, logprobs and text end where one-by-one decoding's do."""
+    ids = tiny.encode("hello world and more")
+    params = SamplingParams(stop=["o w"], logprobs=0)
+    plain, plain_abort = feed(tiny, params, ids, None)
+    out, aborted = feed(tiny, params, ids, None, sizes)
+    assert plain.text == out.text == "hell" and out.stop_reason == "o w" and aborted == plain_abort == ["r"]
+    assert out.token_ids == plain.token_ids == ids[:len(tiny.encode("hello w"))]
+    assert [lp.token_id for lp in out.logprobs] == out.token_ids

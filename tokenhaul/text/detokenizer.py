@@ -65,6 +65,18 @@ class Detokenizer:
             return ""
         return self._emit(self._advance(text), final=False)
 
+    def push_until_stop(self, token_ids: list[int]) -> tuple[str, int]:
+        """`push` the ids one at a time, as plain decoding would, while a stop string may end among them:
+        (the text, how many ids were taken — all, or those through the one that completed a stop)."""
+        if not self._stops or len(token_ids) < 2:
+            return self.push(token_ids), len(token_ids)
+        text = ""
+        for k, t in enumerate(token_ids, 1):
+            text += self.push([t])
+            if self.stopped:
+                return text, k
+        return text, len(token_ids)
+
     def flush(self) -> str:
         """End of generation: release held text and pending ids (incomplete bytes decode as U+FFFD)."""
         if self.stopped:

@@ -3,7 +3,9 @@ text deltas (one Detokenizer per request); stop strings finish requests, which t
 abort in the core. It never touches tensors.
 
 A request the core stopped at a stop token (EOS unless ignore_eos, or one of stop_token_ids) keeps
-the token in token_ids but not its text, unless include_stop_str_in_output (as vLLM)."""
+the token in token_ids but not its text, unless include_stop_str_in_output (as vLLM). Speculation's
+verified drafts arrive several at a time; token_ids end, as in plain decoding, at the token that
+completed a stop string."""
 
 from __future__ import annotations
 
@@ -46,9 +48,6 @@ class OutputProcessor:
                 continue
             t0 = time.perf_counter()
             detok = self._detok[d.request_id]
-            out.token_ids += d.new_token_ids
-            if out.logprobs is not None:
-                out.logprobs += [TokenLogprob(s.token, s.logprob, s.top_logprobs) for s in d.samples]
             stop_ids = self._stop_ids[d.request_id]
             if d.beams is not None:
                 skip = self._params[d.request_id].skip_special_tokens
@@ -56,8 +55,9 @@ class OutputProcessor:
                                         score) for ids, score in d.beams]
             t1 = time.perf_counter()
             new = d.new_token_ids
-            text = detok.push(_text_ids(new, stop_ids) if d.finish_reason == "stop" else new)
+            text, taken = detok.push_until_stop(_text_ids(new, stop_ids) if d.finish_reason == "stop" else new)
             if detok.stopped:
+                new = new[:taken]  # verified drafts past the token that completed the stop string: never output
                 out.finished, out.finish_reason, out.stop_reason = True, "stop", detok.stop_reason
                 if not d.finished:
                     to_abort.append(d.request_id)
@@ -65,10 +65,13 @@ class OutputProcessor:
                 text += detok.flush()
                 out.finished, out.finish_reason = True, d.finish_reason
             t2 = time.perf_counter()
+            out.token_ids += new
+            if out.logprobs is not None:
+                out.logprobs += [TokenLogprob(s.token, s.logprob, s.top_logprobs) for s in d.samples[:len(new)]]
             out.text += text
             out.delta_text = text
             if self.ledger is not None:  # detokenize: push/flush; deliver: the rest of this body
-                n = max(1, len(d.new_token_ids))  # verified drafts arrive together: one event per token
+                n = max(1, len(new))  # verified drafts arrive together: one event per token
                 detok_s, deliver_s = (t2 - t1) / n, (time.perf_counter() - t0 - (t2 - t1)) / n
                 for _ in range(n):
                     self.ledger.on_token(d.request_id, step, detok_s, deliver_s)
