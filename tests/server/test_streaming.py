@@ -113,6 +113,23 @@ def test_script_logprobs_bytes_and_offsets_across_split_characters(script_server
     assert all(offsets[i] < len(text) for i in range(len(offsets)))
 
 
+def test_script_completion_logprobs_0_top_is_the_sampled_token(script_server, client):
+    """logprobs 0 (as vLLM): token_logprobs, and top_logprobs entries holding the sampled token alone."""
+    from tokenhaul.server.protocol import CompletionResponse
+
+    url = script_server[0] + CMPL
+    body = {"prompt": "Start:", "max_tokens": 8, "temperature": 0, "logprobs": 0}
+    r = client.post(url, json=body).json()
+    CompletionResponse.model_validate(r)
+    chunks, _ = sse(client, url, body)
+    streamed = [c["logprobs"] for ch in chunks for c in ch["choices"] if c["logprobs"]]
+    for lp in [r["choices"][0]["logprobs"], *streamed]:
+        assert len(lp["top_logprobs"]) == len(lp["tokens"]) == len(lp["token_logprobs"])
+        for tok, value, top in zip(lp["tokens"], lp["token_logprobs"], lp["top_logprobs"]):
+            assert top == {tok: value} and value <= 0
+    assert sum(len(lp["tokens"]) for lp in streamed) == 8
+
+
 # real model -------------------------------------------------------------------------------------
 PROMPTS = {
     "chinese": "请用中文写一首关于春天的短诗：\n",

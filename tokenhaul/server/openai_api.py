@@ -256,7 +256,8 @@ class OpenAIHandlers:
             t = self.token_text(lp.token_id)
             tokens.append(t)
             values.append(_finite(lp.logprob))
-            tops.append({self.token_text(tid): _finite(v) for tid, v in lp.top} if lp.top is not None else None)
+            top = lp.top if lp.top is not None else [(lp.token_id, lp.logprob)]  # logprobs 0: the sampled token (vLLM)
+            tops.append({self.token_text(tid): _finite(v) for tid, v in top})
             text_offset.append(offsets.advance(i, self.token_bytes(lp.token_id)))
         return {"tokens": tokens, "token_logprobs": values, "top_logprobs": tops, "text_offset": text_offset}
 

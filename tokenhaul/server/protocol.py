@@ -171,7 +171,7 @@ class Usage(BaseModel):
 class CompletionLogprobs(BaseModel):
     tokens: list[str]
     token_logprobs: list[float | None]
-    top_logprobs: list[dict[str, float] | None] | None = None
+    top_logprobs: list[dict[str, float]] | None = None  # logprobs 0: the sampled token alone
     text_offset: list[int]
 
 
