@@ -87,7 +87,8 @@ def test_kernel_matches_float_reference(storage, k_groups, n16, rows, quantile, 
 @pytest.mark.parametrize("group,n,quantile", [(32, 16 * 37, 0.4), (128, 16 * 21, 0.0), (128, 16 * 9, 0.6),
                                                 (64, 16 * 64, 0.97), (32, 16 * 80, 0.4)])
 def test_int4_bf16_inputs_any_group_and_width(group, n, quantile, threads):
-    """int4 rows with bf16 inputs (AVX2 hosts: codes summed as bytes against 8-bit x, four kept rows a pass): a
+    """int4 rows with bf16 inputs (codes summed as integers against 8-bit x, four kept rows a pass: AVX2 hosts as
+    bytes, AVX-512 VNNI hosts 128 columns a step): a
     group's kept rows not a multiple of four, more than eight passes a group (128 inputs all kept), widths not a
     multiple of 64 columns, and groups with nothing kept all give the fp32 sum of the kept rows within 1 %, with the
     columns cut in parts for 1, 2 or 3 threads."""

@@ -16,6 +16,9 @@
 // path), four kept rows' codes interleaved per 32-bit lane, int16 sums (vpmaddubsw): the float pass spent 7 ops per
 // 16 products on widening nibbles (with the branch-free search for kept inputs, SmolLM2's and Qwen2.5-0.5B's linears
 // from DRAM 1.29x / 1.26x: bench/RESULTS.md "Sparse int4 on AVX2").
+// int4 with bf16 inputs on AVX-512 VNNI hosts: the same 8-bit x, int32 sums (vpdpbusd) 128 columns a step (the float
+// pass was bound by widening nibbles; SmolLM2's linears 1.11x from DRAM, 1.21x from L3: bench/RESULTS.md "Sparse int4
+// on AVX-512 VNNI").
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 #include <torch/csrc/inductor/aoti_torch/utils.h>
@@ -583,6 +586,98 @@ void tile_int4_bytes(const uint8_t* W, int64_t row_bytes, const uint16_t* scales
     g = after;
   }
 }
+
+// tile<INT4> with 8-bit x on AVX-512 VNNI hosts: as tile_int4_bytes, 128 columns a step and int32 sums (vpdpbusd),
+// one pass over all of a group's quads. A row's 64 bytes unpacked with the quad's other rows inside 128-bit lanes:
+// word i of lane L of Q[k] is byte 16 L + 4 k + i of each row, whose low nibbles are column 32 L + 16 (k / 2) +
+// 4 (k % 2) + i and high nibbles that + 8; a 4 × 4 transpose of 128-bit lanes puts the sums in column order.
+// Integer sums and the same float steps as tile_int4_bytes: the same outputs to the bit.
+VNNI inline void lanes_in_order(const __m512i* v, __m512i* out) {  // out[L] = lane L of v[0], v[1], v[2], v[3]
+  const __m512i t0 = _mm512_shuffle_i32x4(v[0], v[1], 0x44), t1 = _mm512_shuffle_i32x4(v[2], v[3], 0x44);
+  const __m512i t2 = _mm512_shuffle_i32x4(v[0], v[1], 0xEE), t3 = _mm512_shuffle_i32x4(v[2], v[3], 0xEE);
+  out[0] = _mm512_shuffle_i32x4(t0, t1, 0x88);
+  out[1] = _mm512_shuffle_i32x4(t0, t1, 0xDD);
+  out[2] = _mm512_shuffle_i32x4(t2, t3, 0x88);
+  out[3] = _mm512_shuffle_i32x4(t2, t3, 0xDD);
+}
+
+VNNI void tile_int4_vnni(const uint8_t* W, int64_t row_bytes, const uint16_t* scales, int64_t N, const Kept& k,
+                         int64_t n, float* out) {
+  std::fill(out, out + n, 0.f);
+  const int64_t groups = static_cast<int64_t>(k.group_end.size());
+  auto row = [&](int64_t j) { return W + static_cast<int64_t>(k.idx[j]) * row_bytes; };
+  auto start = [&](int64_t g) { return g ? k.group_end[g - 1] : 0; };
+  auto next_read = [&](int64_t g) {  // the first group after g with a kept channel (groups if none)
+    for (++g; g < groups && k.group_end[g] == start(g); ++g) {}
+    return g;
+  };
+  const uint8_t* r[128];  // a group's kept rows (groups of up to 128 inputs), padded to whole quads with its last
+  int32_t xw[32];         // row at x = 0, and their x bytes
+  int64_t g = next_read(-1);
+  if (g < groups)
+    for (int64_t j = start(g); j < k.group_end[g]; ++j) prefetch(row(j), n / 2);
+  const __m512i low = _mm512_set1_epi8(15);
+  while (g < groups) {
+    const int64_t j0 = start(g), j1 = k.group_end[g], quads = (j1 - j0 + 3) / 4, after = next_read(g);
+    std::fill(xw, xw + quads, 0);
+    for (int64_t e = 0; e < 4 * quads; ++e) {
+      const int64_t j = std::min(j0 + e, j1 - 1);
+      r[e] = row(j);
+      if (j0 + e < j1) reinterpret_cast<int8_t*>(xw)[e] = k.xq[j];
+    }
+    if (after < groups) {
+      prefetch(reinterpret_cast<const uint8_t*>(scales + after * 2 * N), 2 * n);
+      prefetch(reinterpret_cast<const uint8_t*>(scales + (after * 2 + 1) * N), 2 * n);
+    }
+    const int64_t n0 = after < groups ? start(after) : 0, n1 = after < groups ? k.group_end[after] : 0;
+    const uint16_t* s = scales + g * 2 * N;  // this group's scales, then its zeros
+    const uint16_t* o = s + N;
+    const __m512 dv = _mm512_set1_ps(k.group_scale[g]);
+    const __m512 xs = _mm512_set1_ps(k.group_scale[g] * static_cast<float>(k.group_codes[g]));
+    const __m512i x8 = _mm512_set1_epi32(8 * k.group_codes[g]);
+    for (int64_t c = 0; c < n; c += 128) {
+      for (int64_t j = n0; j < n1; ++j) prefetch(row(j) + c / 2, 1);  // a line of each of the next group's rows
+      if (c == 0)  // and the line of each slice's last byte (slices are not line-aligned)
+        for (int64_t j = n0; j < n1; ++j) prefetch(row(j) + n / 2 - 1, 1);
+      const int64_t m = std::min<int64_t>(128, n - c);  // a multiple of 16
+      const __mmask64 bytes = m == 128 ? ~__mmask64(0) : (__mmask64(1) << (m / 2)) - 1;
+      __m512i acc[8];  // acc[2 k + h]: Q[k]'s low (h = 0) or high (h = 1) nibbles
+      for (auto& a : acc) a = _mm512_setzero_si512();
+      for (int64_t u = 0; u < quads; ++u) {
+        const uint8_t* const* p = r + 4 * u;
+        const __m512i a0 = _mm512_maskz_loadu_epi8(bytes, p[0] + c / 2), a1 = _mm512_maskz_loadu_epi8(bytes, p[1] + c / 2);
+        const __m512i a2 = _mm512_maskz_loadu_epi8(bytes, p[2] + c / 2), a3 = _mm512_maskz_loadu_epi8(bytes, p[3] + c / 2);
+        const __m512i al = _mm512_unpacklo_epi8(a0, a1), ah = _mm512_unpackhi_epi8(a0, a1);
+        const __m512i bl = _mm512_unpacklo_epi8(a2, a3), bh = _mm512_unpackhi_epi8(a2, a3);
+        const __m512i Q[4] = {_mm512_unpacklo_epi16(al, bl), _mm512_unpackhi_epi16(al, bl),
+                              _mm512_unpacklo_epi16(ah, bh), _mm512_unpackhi_epi16(ah, bh)};
+        const __m512i xv = _mm512_set1_epi32(xw[u]);
+        for (int q = 0; q < 4; ++q) {
+          acc[2 * q] = _mm512_dpbusd_epi32(acc[2 * q], _mm512_and_si512(Q[q], low), xv);
+          acc[2 * q + 1] = _mm512_dpbusd_epi32(acc[2 * q + 1], _mm512_and_si512(_mm512_srli_epi16(Q[q], 4), low), xv);
+        }
+      }
+      __m512i sums[8];  // sums[j]: columns c + 16 j .. c + 16 j + 15
+      for (int e = 0; e < 2; ++e) {  // columns 32 L + 16 e + 4 m + i: quarter m from acc (2 (2 e + m % 2) + m / 2)
+        const __m512i v[4] = {acc[4 * e], acc[4 * e + 2], acc[4 * e + 1], acc[4 * e + 3]};
+        __m512i t[4];
+        lanes_in_order(v, t);
+        for (int L = 0; L < 4; ++L) sums[2 * L + e] = t[L];
+      }
+      for (int64_t j = 0; j < m / 16; ++j) {
+        const int64_t at = c + 16 * j;
+        const __m512 q = _mm512_cvtepi32_ps(_mm512_sub_epi32(sums[j], x8));
+        const __m512 sc = _mm512_castsi512_ps(_mm512_slli_epi32(
+            _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(s + at))), 16));
+        const __m512 ze = _mm512_castsi512_ps(_mm512_slli_epi32(
+            _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(o + at))), 16));
+        const __m512 t = _mm512_fmadd_ps(_mm512_mul_ps(sc, dv), q, _mm512_loadu_ps(out + at));
+        _mm512_storeu_ps(out + at, _mm512_fmadd_ps(ze, xs, t));
+      }
+    }
+    g = after;
+  }
+}
 #endif
 
 // acc[0, n) += Σ_j w[j] · row_j[0, n) over kept entries [j0, j1) of a part (its rows `row_bytes` apart), four
@@ -625,8 +720,10 @@ void tile(const uint8_t* W, int64_t row_bytes, const void* sz, int64_t N, const 
   if constexpr (K == INT8)
     if (kVnni && k.hi.size() == k.idx.size()) return tile_int8_vnni(W, row_bytes, k, n, out);  // quantized
   if constexpr (K == INT4)
-    if (!k.group_scale.empty())  // 8-bit x
+    if (!k.group_scale.empty()) {  // 8-bit x
+      if (kWide) return tile_int4_vnni(W, row_bytes, static_cast<const uint16_t*>(sz) + c0, N, k, n, out);
       return tile_int4_bytes(W, row_bytes, static_cast<const uint16_t*>(sz) + c0, N, k, n, out);
+    }
 #endif
   std::fill(out, out + n, 0.f);
   if constexpr (K != INT4) {
@@ -758,7 +855,11 @@ static at::Tensor sparse_gemv(const at::Tensor& x, double threshold, const at::T
 #ifdef __AVX2__
   if (kind == INT8 && kVnni && K < 65536 && x.dtype() == at::kBFloat16)  // fp32 inputs: the exact float sums
     for (auto& k : kept) quantize_kept(k);
-  if (kind == INT4 && !kWide && x.dtype() == at::kBFloat16)  // fp32 inputs: the exact float sums
+#ifndef INT4_VNNI
+#define INT4_VNNI 1  // 0: the float pass on AVX-512 hosts (bench/gemv_variants.py)
+#endif
+  // (on AVX-512 hosts only with VNNI and groups of up to 128 inputs: tile_int4_vnni; else the float pass)
+  if (kind == INT4 && (!kWide || (INT4_VNNI && kVnni && group <= 128)) && x.dtype() == at::kBFloat16)  // fp32 inputs: the exact float sums
     for (auto& k : kept) quantize_kept_int4(k);
 #endif
   int64_t* counts = kept_count.data_ptr<int64_t>();
