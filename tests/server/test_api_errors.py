@@ -100,6 +100,16 @@ def test_unknown_route_and_method(script_server, client):
     check_error(client.get(url + CMPL), 405)
 
 
+def test_head_on_health_and_metrics(script_server, client):
+    """Probes may use HEAD: 200 and the GET's headers, no body."""
+    url = script_server[0]
+    for path in ("/health", "/metrics"):
+        r = client.head(url + path)
+        assert r.status_code == 200 and r.content == b"", path
+        assert r.headers["content-type"] == client.get(url + path).headers["content-type"], path
+    assert client.head(url + "/v1/models").status_code == 405  # only the probes
+
+
 def test_good_request_after_bad_ones(script_server, client):
     url = script_server[0]
     r = client.post(url + CMPL, json={"prompt": "Hello", "max_tokens": 5})

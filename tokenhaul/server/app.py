@@ -117,9 +117,9 @@ def build_app(engine: AsyncEngine, options: ServerOptions | None = None, manage_
     async def _gone(request: Request, exc: ClientGone) -> Response:
         return Response(status_code=499)  # nobody reads it: the client has gone
 
-    @app.get("/health", responses={503: _ERRORS[503]})
+    @app.api_route("/health", methods=["GET", "HEAD"], responses={503: _ERRORS[503]})
     async def health() -> dict[str, Any]:
-        """200 while some replica takes requests, with each replica's state; 503 when none does."""
+        """200 while some replica takes requests, with each replica's state; 503 when none does (HEAD: no body)."""
         if not engine.healthy:
             raise APIError(503, "the engine is not running", "service_unavailable", code="engine_unavailable")
         reps = {r.name: {"status": "ok" if r.up else "down", "where": r.where, "running": r.stats.num_running,
@@ -127,7 +127,7 @@ def build_app(engine: AsyncEngine, options: ServerOptions | None = None, manage_
                          "kv_blocks_total": r.stats.kv_blocks_total} for r in engine.client.replicas()}
         return {"status": "ok", "replicas": reps}
 
-    @app.get("/metrics", response_class=Response,
+    @app.api_route("/metrics", methods=["GET", "HEAD"], response_class=Response,
              responses={200: {"content": {"text/plain": {"schema": {"type": "string"}}}}})
     async def metrics() -> Response:
         return Response(engine.metrics.render(), media_type=CONTENT_TYPE)
