@@ -349,7 +349,7 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--body-timeout", type=float, default=30.0, help="seconds a request has to send its body (408)")
     s.add_argument("--keep-alive-timeout", type=float, default=5.0, help="idle keep-alive connections close after")
     s.add_argument("--request-timeout", type=float, default=None,
-                   help="seconds a request may generate; then it ends with finish_reason 'timeout' (default: no limit)")
+                   help="seconds a request may generate; then it ends with finish_reason 'abort' (default: no limit)")
     s.add_argument("--shutdown-timeout", type=float, default=30.0,
                    help="on SIGTERM/SIGINT: seconds to let requests in flight finish (new ones get 503), then exit 0")
     s.add_argument("--log-level", default="info")

@@ -211,7 +211,9 @@ def test_idle_and_half_sent_connections_are_closed(tokenizer):
             assert c.get(url + "/health").status_code == 200
 
 
-def test_generation_deadline_ends_requests_with_timeout(tokenizer):
+def test_generation_deadline_ends_requests_with_abort(tokenizer):
+    """A request past --request-timeout ends with vLLM's finish_reason "abort" (not an OpenAI value: "timeout");
+    the requests metric names the cause."""
     engine, model = script_engine(tokenizer)
     engine.request_timeout = 0.3
     model.delay = 0.02  # 200 tokens would take at least 4 s
@@ -219,9 +221,10 @@ def test_generation_deadline_ends_requests_with_timeout(tokenizer):
         r = c.post(srv.url + CMPL, json={"prompt": "Hi", "max_tokens": 200, "ignore_eos": True})
         assert r.status_code == 200
         choice = r.json()["choices"][0]
-        assert choice["finish_reason"] == "timeout" and r.json()["usage"]["completion_tokens"] < 200
+        assert choice["finish_reason"] == "abort" and r.json()["usage"]["completion_tokens"] < 200
         with c.stream("POST", srv.url + CMPL, json={"prompt": "Hi", "max_tokens": 200, "stream": True}) as s:
             data = [ln[6:] for ln in s.iter_lines() if ln.startswith("data: ")]
-        assert data[-1] == "[DONE]" and json.loads(data[-2])["choices"][0]["finish_reason"] == "timeout"
+        assert data[-1] == "[DONE]" and json.loads(data[-2])["choices"][0]["finish_reason"] == "abort"
+        assert 'tokenhaul_requests_total{finish_reason="timeout"} 2.0' in c.get(srv.url + "/metrics").text
         wait_idle(engine)
         assert engine.client.core_thread.stats.kv_blocks_used == 0

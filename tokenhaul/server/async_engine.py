@@ -171,7 +171,7 @@ class AsyncEngine:
         self.tokenizer = tokenizer
         self.model_name = model_name
         self.max_waiting = max_waiting
-        self.request_timeout = request_timeout  # seconds from admission; then finish_reason "timeout"
+        self.request_timeout = request_timeout  # seconds from admission; then finish_reason "abort"
         self.client = client if isinstance(client, EngineClient) else InProcessClient(client)
         self.limits = self.client.limits
         # text longer than this is refused before tokenizing (a token rarely spans more than ~16 characters)
@@ -391,10 +391,12 @@ class AsyncEngine:
             self._empty.set()
 
     def _expire(self, request_id: str) -> None:
-        """The generation deadline passed: finish the request with what it has (finish_reason "timeout")."""
+        """The generation deadline passed: finish the request with what it has. Its finish_reason is vLLM's
+        "abort" (OpenAI has no "timeout"; "length" would claim max_tokens or the context ran out); the
+        requests metric and the core's abort name the cause, "timeout"."""
         e = self._forget(request_id, "timeout")
         if e is not None:
-            e.stream._put(e.index, GenerationDelta("", [], None, e.num_prompt_tokens, e.num_seen, True, "timeout"))
+            e.stream._put(e.index, GenerationDelta("", [], None, e.num_prompt_tokens, e.num_seen, True, "abort"))
 
     def _fail(self, request_id: str, error: Exception) -> None:
         """End a request with an error its reader will raise; aborts it in the core too."""
