@@ -125,8 +125,14 @@ def test_trace_steps_replay_through_the_model(tmp_path):
 
 @pytest.mark.real_model
 def test_gguf_without_vocab_key_takes_the_embedding_rows():
+    """The what-if spec is the loader's config (one rule: models/gguf.py config_from_gguf)."""
+    from tokenhaul.models.catalog import resolve
+    from tokenhaul.models.gguf import load_gguf
+
     _, cfg = load_model_config("qwen2.5-coder-0.5b")  # its metadata has no qwen2.vocab_size
     assert cfg.vocab_size == 151936 and cfg.qkv_bias and not cfg.tie_embeddings
+    loaded, tensors = load_gguf(resolve("qwen2.5-coder-0.5b").gguf_path)
+    assert cfg == loaded and tensors["token_embd.weight"].shape[0] == 151936
 
 
 def test_this_machine_profile_is_cached_and_remeasured_for_new_kernels(tmp_path, monkeypatch):

@@ -27,11 +27,20 @@ def rope_permutation(rows: int, n_head: int) -> np.ndarray:
     return np.arange(rows).reshape(n_head, rows // n_head // 2, 2).swapaxes(1, 2).reshape(-1)
 
 
+def config_from_gguf(reader: GGUFFile) -> ModelConfig:
+    """The model's config from a GGUF's metadata and tensor list; no tensor data is read. A file without
+    `{arch}.vocab_size` (Qwen2.5, Gemma3; the token list is not read) takes the embedding's rows."""
+    config = config_from_metadata(read_metadata(reader), {t.name for t in reader.tensors})
+    embed = next((t for t in reader.tensors if t.name == "token_embd.weight"), None)
+    if not config.vocab_size and embed is not None:
+        config = dataclasses.replace(config, vocab_size=int(embed.shape[-1]))  # GGUF dims: innermost first
+    return config
+
+
 def load_gguf(path: Path) -> tuple[ModelConfig, dict[str, GGUFWeight | torch.Tensor]]:
     """Read config and every tensor as stored (memory-mapped, nothing dequantized); names stay GGUF names."""
     reader = GGUFFile(path)
-    names = {t.name for t in reader.tensors}
-    config = config_from_metadata(read_metadata(reader), names)
+    config = config_from_gguf(reader)
     tensors: dict[str, GGUFWeight | torch.Tensor] = {}
     for t in reader.tensors:
         w = from_reader_tensor(t)
@@ -40,7 +49,4 @@ def load_gguf(path: Path) -> tuple[ModelConfig, dict[str, GGUFWeight | torch.Ten
             perm = rope_permutation(w.shape[0], heads)
             w = w.permute_rows(perm) if isinstance(w, GGUFWeight) else w[torch.from_numpy(perm)]
         tensors[t.name] = w
-    embed = tensors.get("token_embd.weight")
-    if not config.vocab_size and embed is not None:  # no `{arch}.vocab_size` key, and the token list is not read
-        config = dataclasses.replace(config, vocab_size=int(embed.shape[0]))
     return config, tensors

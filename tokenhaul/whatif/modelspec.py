@@ -3,7 +3,6 @@ transformers `config.json` of a model that need not be installed (e.g. Llama-3-7
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import math
 from pathlib import Path
@@ -55,17 +54,11 @@ def load_model_config(spec: str) -> tuple[str, ModelConfig]:
             raise ModelError(f"cannot read {path}: {e}") from None
         return cfg.get("_name_or_path") or path.parent.name, config_from_hf(cfg)
     from tokenhaul.models import catalog
-    from tokenhaul.models.config import config_from_metadata
-    from tokenhaul.models.gguf import read_metadata
+    from tokenhaul.models.gguf import config_from_gguf
     from tokenhaul.models.gguf_file import GGUFFile
 
     files = catalog.resolve(spec)
-    reader = GGUFFile(files.gguf_path)  # memory-mapped: metadata only, no tensor is read
-    cfg = config_from_metadata(read_metadata(reader), {t.name for t in reader.tensors})
-    if not cfg.vocab_size:  # no `<arch>.vocab_size` key and the token list was skipped: the embedding's rows
-        embd = next(t for t in reader.tensors if t.name == "token_embd.weight")
-        cfg = dataclasses.replace(cfg, vocab_size=int(embd.n_elements) // cfg.hidden_size)
-    return files.name, cfg
+    return files.name, config_from_gguf(GGUFFile(files.gguf_path))  # memory-mapped: no tensor is read
 
 
 __all__ = ["SUPPORTED_ARCHS", "config_from_hf", "load_model_config"]
