@@ -47,6 +47,9 @@ constexpr int64_t AHEAD = 16;
 #ifndef STREAMS
 #define STREAMS 4
 #endif
+#ifndef INT4_VNNI  // int4 with bf16 x on AVX-512 hosts (bench/gemv_variants.py -D): 1 tile_int4_vnni (with VNNI),
+#define INT4_VNNI 1  // 0 the float pass, 2 tile_int4_bytes (to compare the two integer paths, which agree to the bit)
+#endif
 #ifndef SCALES_AHEAD_GROUPS
 #define SCALES_AHEAD_GROUPS 1  // int4: the scales of the read group this many groups on are prefetched
 #endif
@@ -368,6 +371,19 @@ inline uint32_t quad(const uint8_t* bytes, int64_t u) {  // the four bytes of qu
   return v;
 }
 
+// 64 bytes at `at` of four rows (p[0..3], masked by m) interleaved: word i of 128-bit lane L of Q[q] holds byte
+// 16 L + 4 q + i of each row, (p[0], p[1], p[2], p[3])
+VNNI inline void interleave4(const uint8_t* const* p, int64_t at, __mmask64 m, __m512i* Q) {
+  const __m512i a0 = _mm512_maskz_loadu_epi8(m, p[0] + at), a1 = _mm512_maskz_loadu_epi8(m, p[1] + at);
+  const __m512i a2 = _mm512_maskz_loadu_epi8(m, p[2] + at), a3 = _mm512_maskz_loadu_epi8(m, p[3] + at);
+  const __m512i al = _mm512_unpacklo_epi8(a0, a1), ah = _mm512_unpackhi_epi8(a0, a1);
+  const __m512i bl = _mm512_unpacklo_epi8(a2, a3), bh = _mm512_unpackhi_epi8(a2, a3);
+  Q[0] = _mm512_unpacklo_epi16(al, bl);
+  Q[1] = _mm512_unpackhi_epi16(al, bl);
+  Q[2] = _mm512_unpacklo_epi16(ah, bh);
+  Q[3] = _mm512_unpackhi_epi16(ah, bh);
+}
+
 // hi/lo [blocks of 64 columns: 4 × 16 lanes] += Σ over `quads` quads of 4 rows: codes · (hi or lo bytes). Per 64
 // columns the 4 rows' bytes are interleaved into words (r0[c], r1[c], r2[c], r3[c]) with unpacks inside 128-bit
 // lanes: word i of lane L of the q-th register is column 16 L + 4 q + i (stored so, put in order at the end)
@@ -381,13 +397,8 @@ VNNI void quads_int8(const uint8_t* const* r, const uint8_t* xh, const uint8_t* 
       L[q] = _mm512_load_si512(lo + c + 16 * q);
     }
     for (int64_t u = 0; u < quads; ++u) {
-      const uint8_t* const* p = r + 4 * u;
-      const __m512i a0 = _mm512_maskz_loadu_epi8(m, p[0] + c), a1 = _mm512_maskz_loadu_epi8(m, p[1] + c);
-      const __m512i a2 = _mm512_maskz_loadu_epi8(m, p[2] + c), a3 = _mm512_maskz_loadu_epi8(m, p[3] + c);
-      const __m512i al = _mm512_unpacklo_epi8(a0, a1), ah = _mm512_unpackhi_epi8(a0, a1);
-      const __m512i bl = _mm512_unpacklo_epi8(a2, a3), bh = _mm512_unpackhi_epi8(a2, a3);
-      const __m512i Q[4] = {_mm512_unpacklo_epi16(al, bl), _mm512_unpackhi_epi16(al, bl),
-                            _mm512_unpacklo_epi16(ah, bh), _mm512_unpackhi_epi16(ah, bh)};
+      __m512i Q[4];
+      interleave4(r + 4 * u, c, m, Q);
       const __m512i vh = _mm512_set1_epi32(static_cast<int32_t>(quad(xh, u)));
       const __m512i vl = _mm512_set1_epi32(static_cast<int32_t>(quad(xl, u)));
       for (int q = 0; q < 4; ++q) {
@@ -512,6 +523,51 @@ inline void quads_int4(const uint8_t* const* r, const int32_t* xw, int64_t quads
   }
 }
 
+// The 8-bit int4 paths' walk over a tile's read groups (those with a kept channel; groups of up to 128 inputs).
+// next() moves to the next one: g, its kept rows padded to whole quads with its last row at x = 0 (r; xw: each
+// quad's four int8 x), [n0, n1): the next read group's kept entries, whose rows (row(j)) the caller prefetches as it
+// goes. The next read group's scales are prefetched here, and before the first group its rows.
+struct ReadGroups {
+  const uint8_t* W;
+  int64_t row_bytes;
+  const uint16_t* scales;
+  int64_t N, n;
+  const Kept& k;
+  int64_t groups = static_cast<int64_t>(k.group_end.size()), g = -1, after = next_read(-1), quads = 0, n0 = 0, n1 = 0;
+  const uint8_t* r[128];
+  int32_t xw[32];
+
+  const uint8_t* row(int64_t j) const { return W + static_cast<int64_t>(k.idx[j]) * row_bytes; }
+  int64_t start(int64_t at) const { return at ? k.group_end[at - 1] : 0; }
+  int64_t next_read(int64_t at) const {  // the first group after `at` with a kept channel (groups if none)
+    for (++at; at < groups && k.group_end[at] == start(at); ++at) {}
+    return at;
+  }
+  bool next() {
+    if (g < 0 && after < groups)
+      for (int64_t j = start(after); j < k.group_end[after]; ++j) prefetch(row(j), n / 2);
+    g = after;
+    if (g >= groups) return false;
+    const int64_t j0 = start(g), j1 = k.group_end[g];
+    quads = (j1 - j0 + 3) / 4;
+    after = next_read(g);
+    std::fill(xw, xw + quads, 0);
+    for (int64_t e = 0; e < 4 * quads; ++e) {
+      const int64_t j = std::min(j0 + e, j1 - 1);
+      r[e] = row(j);
+      if (j0 + e < j1) reinterpret_cast<int8_t*>(xw)[e] = k.xq[j];
+    }
+    n0 = n1 = 0;
+    if (after < groups) {
+      prefetch(reinterpret_cast<const uint8_t*>(scales + after * 2 * N), 2 * n);
+      prefetch(reinterpret_cast<const uint8_t*>(scales + (after * 2 + 1) * N), 2 * n);
+      n0 = start(after);
+      n1 = k.group_end[after];
+    }
+    return true;
+  }
+};
+
 // tile<INT4> with 8-bit x: per read group and 64 columns, the kept rows' codes summed as bytes against the group's
 // int8 x (quads_int4; a last partial quad padded with its last row at x = 0), then out[c] += scale[g, c] · d ·
 // (Σ q xq - 8 Σ xq) + zero[g, c] · d · Σ xq. While a group is summed the next read group's rows are prefetched, a
@@ -519,34 +575,10 @@ inline void quads_int4(const uint8_t* const* r, const int32_t* xw, int64_t quads
 void tile_int4_bytes(const uint8_t* W, int64_t row_bytes, const uint16_t* scales, int64_t N, const Kept& k,
                      int64_t n, float* out) {
   std::fill(out, out + n, 0.f);
-  const int64_t groups = static_cast<int64_t>(k.group_end.size());
-  auto row = [&](int64_t j) { return W + static_cast<int64_t>(k.idx[j]) * row_bytes; };
-  auto start = [&](int64_t g) { return g ? k.group_end[g - 1] : 0; };
-  auto next_read = [&](int64_t g) {  // the first group after g with a kept channel (groups if none)
-    for (++g; g < groups && k.group_end[g] == start(g); ++g) {}
-    return g;
-  };
-  std::vector<const uint8_t*> r;
-  std::vector<int32_t> xw;
-  int64_t g = next_read(-1);
-  if (g < groups)
-    for (int64_t j = start(g); j < k.group_end[g]; ++j) prefetch(row(j), n / 2);
   alignas(32) int32_t sums[64];
   const __m256i ones = _mm256_set1_epi16(1);
-  while (g < groups) {
-    const int64_t j0 = start(g), j1 = k.group_end[g], quads = (j1 - j0 + 3) / 4, after = next_read(g);
-    r.resize(4 * quads);
-    xw.assign(quads, 0);
-    for (int64_t e = 0; e < 4 * quads; ++e) {
-      const int64_t j = std::min(j0 + e, j1 - 1);
-      r[e] = row(j);
-      if (j0 + e < j1) reinterpret_cast<int8_t*>(xw.data())[e] = k.xq[j];
-    }
-    if (after < groups) {
-      prefetch(reinterpret_cast<const uint8_t*>(scales + after * 2 * N), 2 * n);
-      prefetch(reinterpret_cast<const uint8_t*>(scales + (after * 2 + 1) * N), 2 * n);
-    }
-    const int64_t n0 = after < groups ? start(after) : 0, n1 = after < groups ? k.group_end[after] : 0;
+  for (ReadGroups w{W, row_bytes, scales, N, n, k}; w.next();) {
+    const int64_t g = w.g, quads = w.quads, n0 = w.n0, n1 = w.n1;
     const uint16_t* s = scales + g * 2 * N;  // this group's scales, then its zeros
     const uint16_t* o = s + N;
     const float d = k.group_scale[g];
@@ -556,9 +588,9 @@ void tile_int4_bytes(const uint8_t* W, int64_t row_bytes, const uint16_t* scales
       // per 128 columns a line of each of the next read group's rows; at the first also the line of each slice's last
       // byte (slices are not line-aligned)
       if (c % 128 == 0)
-        for (int64_t j = n0; j < n1; ++j) prefetch(row(j) + c / 2, 1);
+        for (int64_t j = n0; j < n1; ++j) prefetch(w.row(j) + c / 2, 1);
       if (c == 0)
-        for (int64_t j = n0; j < n1; ++j) prefetch(row(j) + n / 2 - 1, 1);
+        for (int64_t j = n0; j < n1; ++j) prefetch(w.row(j) + n / 2 - 1, 1);
       const int64_t m = std::min<int64_t>(64, n - c);  // a multiple of 16
       const __m256i tail = _mm256_cmpgt_epi32(_mm256_set1_epi32(static_cast<int32_t>(m / 2)),
                                               _mm256_setr_epi32(0, 4, 8, 12, 16, 20, 24, 28));
@@ -566,8 +598,8 @@ void tile_int4_bytes(const uint8_t* W, int64_t row_bytes, const uint16_t* scales
         __m256i acc[8];
         for (auto& a : acc) a = _mm256_setzero_si256();
         const int64_t count = std::min<int64_t>(8, quads - u0);
-        if (m == 64) quads_int4<false>(r.data() + 4 * u0, xw.data() + u0, count, c / 2, tail, acc);
-        else quads_int4<true>(r.data() + 4 * u0, xw.data() + u0, count, c / 2, tail, acc);
+        if (m == 64) quads_int4<false>(w.r + 4 * u0, w.xw + u0, count, c / 2, tail, acc);
+        else quads_int4<true>(w.r + 4 * u0, w.xw + u0, count, c / 2, tail, acc);
         for (int i = 0; i < 8; ++i) {
           const __m256i v = _mm256_madd_epi16(acc[i], ones);
           __m256i* at = reinterpret_cast<__m256i*>(sums + 8 * i);
@@ -583,7 +615,6 @@ void tile_int4_bytes(const uint8_t* W, int64_t row_bytes, const uint16_t* scales
                          _mm256_fmadd_ps(load8<BF16>(reinterpret_cast<const uint8_t*>(o + c + i)), xs, t));
       }
     }
-    g = after;
   }
 }
 
@@ -604,54 +635,26 @@ VNNI inline void lanes_in_order(const __m512i* v, __m512i* out) {  // out[L] = l
 VNNI void tile_int4_vnni(const uint8_t* W, int64_t row_bytes, const uint16_t* scales, int64_t N, const Kept& k,
                          int64_t n, float* out) {
   std::fill(out, out + n, 0.f);
-  const int64_t groups = static_cast<int64_t>(k.group_end.size());
-  auto row = [&](int64_t j) { return W + static_cast<int64_t>(k.idx[j]) * row_bytes; };
-  auto start = [&](int64_t g) { return g ? k.group_end[g - 1] : 0; };
-  auto next_read = [&](int64_t g) {  // the first group after g with a kept channel (groups if none)
-    for (++g; g < groups && k.group_end[g] == start(g); ++g) {}
-    return g;
-  };
-  const uint8_t* r[128];  // a group's kept rows (groups of up to 128 inputs), padded to whole quads with its last
-  int32_t xw[32];         // row at x = 0, and their x bytes
-  int64_t g = next_read(-1);
-  if (g < groups)
-    for (int64_t j = start(g); j < k.group_end[g]; ++j) prefetch(row(j), n / 2);
   const __m512i low = _mm512_set1_epi8(15);
-  while (g < groups) {
-    const int64_t j0 = start(g), j1 = k.group_end[g], quads = (j1 - j0 + 3) / 4, after = next_read(g);
-    std::fill(xw, xw + quads, 0);
-    for (int64_t e = 0; e < 4 * quads; ++e) {
-      const int64_t j = std::min(j0 + e, j1 - 1);
-      r[e] = row(j);
-      if (j0 + e < j1) reinterpret_cast<int8_t*>(xw)[e] = k.xq[j];
-    }
-    if (after < groups) {
-      prefetch(reinterpret_cast<const uint8_t*>(scales + after * 2 * N), 2 * n);
-      prefetch(reinterpret_cast<const uint8_t*>(scales + (after * 2 + 1) * N), 2 * n);
-    }
-    const int64_t n0 = after < groups ? start(after) : 0, n1 = after < groups ? k.group_end[after] : 0;
+  for (ReadGroups w{W, row_bytes, scales, N, n, k}; w.next();) {
+    const int64_t g = w.g, quads = w.quads, n0 = w.n0, n1 = w.n1;
     const uint16_t* s = scales + g * 2 * N;  // this group's scales, then its zeros
     const uint16_t* o = s + N;
     const __m512 dv = _mm512_set1_ps(k.group_scale[g]);
     const __m512 xs = _mm512_set1_ps(k.group_scale[g] * static_cast<float>(k.group_codes[g]));
     const __m512i x8 = _mm512_set1_epi32(8 * k.group_codes[g]);
     for (int64_t c = 0; c < n; c += 128) {
-      for (int64_t j = n0; j < n1; ++j) prefetch(row(j) + c / 2, 1);  // a line of each of the next group's rows
+      for (int64_t j = n0; j < n1; ++j) prefetch(w.row(j) + c / 2, 1);  // a line of each of the next group's rows
       if (c == 0)  // and the line of each slice's last byte (slices are not line-aligned)
-        for (int64_t j = n0; j < n1; ++j) prefetch(row(j) + n / 2 - 1, 1);
+        for (int64_t j = n0; j < n1; ++j) prefetch(w.row(j) + n / 2 - 1, 1);
       const int64_t m = std::min<int64_t>(128, n - c);  // a multiple of 16
       const __mmask64 bytes = m == 128 ? ~__mmask64(0) : (__mmask64(1) << (m / 2)) - 1;
       __m512i acc[8];  // acc[2 k + h]: Q[k]'s low (h = 0) or high (h = 1) nibbles
       for (auto& a : acc) a = _mm512_setzero_si512();
       for (int64_t u = 0; u < quads; ++u) {
-        const uint8_t* const* p = r + 4 * u;
-        const __m512i a0 = _mm512_maskz_loadu_epi8(bytes, p[0] + c / 2), a1 = _mm512_maskz_loadu_epi8(bytes, p[1] + c / 2);
-        const __m512i a2 = _mm512_maskz_loadu_epi8(bytes, p[2] + c / 2), a3 = _mm512_maskz_loadu_epi8(bytes, p[3] + c / 2);
-        const __m512i al = _mm512_unpacklo_epi8(a0, a1), ah = _mm512_unpackhi_epi8(a0, a1);
-        const __m512i bl = _mm512_unpacklo_epi8(a2, a3), bh = _mm512_unpackhi_epi8(a2, a3);
-        const __m512i Q[4] = {_mm512_unpacklo_epi16(al, bl), _mm512_unpackhi_epi16(al, bl),
-                              _mm512_unpacklo_epi16(ah, bh), _mm512_unpackhi_epi16(ah, bh)};
-        const __m512i xv = _mm512_set1_epi32(xw[u]);
+        __m512i Q[4];
+        interleave4(w.r + 4 * u, c / 2, bytes, Q);
+        const __m512i xv = _mm512_set1_epi32(w.xw[u]);
         for (int q = 0; q < 4; ++q) {
           acc[2 * q] = _mm512_dpbusd_epi32(acc[2 * q], _mm512_and_si512(Q[q], low), xv);
           acc[2 * q + 1] = _mm512_dpbusd_epi32(acc[2 * q + 1], _mm512_and_si512(_mm512_srli_epi16(Q[q], 4), low), xv);
@@ -675,7 +678,6 @@ VNNI void tile_int4_vnni(const uint8_t* W, int64_t row_bytes, const uint16_t* sc
         _mm512_storeu_ps(out + at, _mm512_fmadd_ps(ze, xs, t));
       }
     }
-    g = after;
   }
 }
 #endif
@@ -721,8 +723,9 @@ void tile(const uint8_t* W, int64_t row_bytes, const void* sz, int64_t N, const 
     if (kVnni && k.hi.size() == k.idx.size()) return tile_int8_vnni(W, row_bytes, k, n, out);  // quantized
   if constexpr (K == INT4)
     if (!k.group_scale.empty()) {  // 8-bit x
-      if (kWide) return tile_int4_vnni(W, row_bytes, static_cast<const uint16_t*>(sz) + c0, N, k, n, out);
-      return tile_int4_bytes(W, row_bytes, static_cast<const uint16_t*>(sz) + c0, N, k, n, out);
+      const uint16_t* scales = static_cast<const uint16_t*>(sz) + c0;
+      if (kWide && INT4_VNNI == 1) return tile_int4_vnni(W, row_bytes, scales, N, k, n, out);
+      return tile_int4_bytes(W, row_bytes, scales, N, k, n, out);
     }
 #endif
   std::fill(out, out + n, 0.f);
@@ -855,11 +858,9 @@ static at::Tensor sparse_gemv(const at::Tensor& x, double threshold, const at::T
 #ifdef __AVX2__
   if (kind == INT8 && kVnni && K < 65536 && x.dtype() == at::kBFloat16)  // fp32 inputs: the exact float sums
     for (auto& k : kept) quantize_kept(k);
-#ifndef INT4_VNNI
-#define INT4_VNNI 1  // 0: the float pass on AVX-512 hosts (bench/gemv_variants.py)
-#endif
-  // (on AVX-512 hosts only with VNNI and groups of up to 128 inputs: tile_int4_vnni; else the float pass)
-  if (kind == INT4 && (!kWide || (INT4_VNNI && kVnni && group <= 128)) && x.dtype() == at::kBFloat16)  // fp32 inputs: the exact float sums
+  // (groups of up to 128 inputs; on AVX-512 hosts only with VNNI: tile_int4_vnni; else the float pass)
+  if (kind == INT4 && group <= 128 && (!kWide || (INT4_VNNI == 1 && kVnni) || INT4_VNNI == 2) &&
+      x.dtype() == at::kBFloat16)  // fp32 inputs: the exact float sums
     for (auto& k : kept) quantize_kept_int4(k);
 #endif
   int64_t* counts = kept_count.data_ptr<int64_t>();
