@@ -73,6 +73,9 @@ def test_corrupted_part(capsys, tmp_path, monkeypatch):
     (["--top-p", "0"], "top_p"),
     (["--speculative", "medusa"], "speculative must be one of off, prompt_lookup, draft, jacobi"),
     (["--num-speculative-tokens", "0"], "num_speculative_tokens"),
+    (["--logit-bias", "5"], "--logit-bias expects TOKEN_ID=VALUE"),
+    (["--logit-bias", "x=1"], "--logit-bias expects TOKEN_ID=VALUE"),
+    (["--logit-bias", "5=200"], "logit_bias values must be numbers in [-100, 100]"),
 ])
 def test_bad_sampling_flags(capsys, args, fragment):
     code, _, err = run_cli(capsys, "generate", "--prompt", "hi", *args)
@@ -179,3 +182,12 @@ def test_boolean_sampling_flags_turn_both_ways():
     assert sampling_params(parse(["generate", "--prompt", "x"])).skip_special_tokens is True
     off = sampling_params(parse(["generate", "--prompt", "x", "--no-skip-special-tokens", "--ignore-eos"]))
     assert off.skip_special_tokens is False and off.ignore_eos is True
+
+
+def test_logit_bias_flag_repeats():
+    from tokenhaul.cli import build_parser, sampling_params
+
+    parse = build_parser().parse_args
+    assert sampling_params(parse(["generate", "--prompt", "x"])).logit_bias == {}
+    args = parse(["generate", "--prompt", "x", "--logit-bias", "42=-100", "--logit-bias", "7=2.5"])
+    assert sampling_params(args).logit_bias == {42: -100.0, 7: 2.5}

@@ -9,7 +9,7 @@ import os
 import sys
 import time
 
-from tokenhaul.errors import TokenhaulError
+from tokenhaul.errors import RequestError, TokenhaulError
 from tokenhaul.models import catalog
 from tokenhaul.sampling_params import SamplingParams
 
@@ -65,6 +65,10 @@ def add_sampling_args(p: argparse.ArgumentParser) -> None:
         default = f.default if f.default is not dataclasses.MISSING else f.default_factory()
         if isinstance(default, bool):  # --flag / --no-flag: a default of True can be turned off
             p.add_argument(flag, action=argparse.BooleanOptionalAction, default=default)
+        elif isinstance(default, dict):  # logit_bias: token id → bias
+            p.add_argument(flag, action="append", default=None, metavar="ID=VALUE",
+                           help="token id = bias in [-100, 100] added to its logit (e.g. 42=-100 bans token 42); "
+                                "repeat the flag for several ids")
         elif isinstance(default, list):
             elem = int if f.name.endswith("_ids") else str
             p.add_argument(flag, type=elem, action="append", default=None,
@@ -74,10 +78,24 @@ def add_sampling_args(p: argparse.ArgumentParser) -> None:
             p.add_argument(flag, type=typ, default=default)
 
 
+def _id_values(pairs: list[str]) -> dict[int, float]:
+    """['42=-100', '7=2.5'] → {42: -100.0, 7: 2.5} (a one-line error otherwise)."""
+    out = {}
+    for s in pairs:
+        tid, _, value = s.partition("=")
+        try:
+            out[int(tid)] = float(value)
+        except ValueError:
+            raise RequestError(f"--logit-bias expects TOKEN_ID=VALUE (e.g. 42=-100), got {s!r}") from None
+    return out
+
+
 def sampling_params(args: argparse.Namespace) -> SamplingParams:
     kw = {}
     for f in dataclasses.fields(SamplingParams):
         v = getattr(args, f.name)
+        if v is not None and f.name == "logit_bias":
+            v = _id_values(v)
         if v is not None or f.name in ("seed", "logprobs"):
             kw[f.name] = v
     return SamplingParams(**kw)

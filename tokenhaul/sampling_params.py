@@ -35,6 +35,7 @@ class SamplingParams:
     length_penalty: float = 1.0  # finished beam score = sum of logprobs / generated length ** this
     early_stopping: bool = False  # True: stop once beam_width beams have finished
     n: int = 1  # beams returned (best first, with scores); > 1 only with use_beam_search
+    logit_bias: dict[int, float] = field(default_factory=dict)  # token id → added to its logit, in [-100, 100]
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -42,6 +43,7 @@ class SamplingParams:
         self.stop = [s for s in self.stop if s]
         if self.top_k == -1:
             self.top_k = 0
+        self.logit_bias = _checked_bias(self.logit_bias)
         floats = (self.temperature, self.top_p, self.min_p, self.repetition_penalty, self.presence_penalty,
                   self.frequency_penalty, self.length_penalty)
         checks = [
@@ -66,10 +68,10 @@ class SamplingParams:
              f"beam_width must be an integer in [1, 64], got {self.beam_width!r}"),
             (isinstance(self.n, int) and 1 <= self.n <= (self.beam_width if self.use_beam_search else 1),
              f"n must be 1, or in [1, beam_width] with use_beam_search, got {self.n!r}"),
-            (not self.use_beam_search or (self.speculative == "off" and not self.needs_penalties
+            (not self.use_beam_search or (self.speculative == "off" and not self.adjusts_logits
                                           and self.logprobs is None and not self.stop),
-             "use_beam_search does not combine with speculative, penalties, logprobs (beams carry scores) or stop "
-             "strings (beams end at stop_token_ids and EOS)"),
+             "use_beam_search does not combine with speculative, penalties, logit_bias, logprobs (beams carry "
+             "scores) or stop strings (beams end at stop_token_ids and EOS)"),
         ]
         for ok, msg in checks:
             if not ok:
@@ -80,12 +82,29 @@ class SamplingParams:
         return self.temperature < 1e-5  # as vLLM: dividing logits by less overflows fp32
 
     @property
-    def needs_penalties(self) -> bool:
+    def adjusts_logits(self) -> bool:
+        """Penalties or a logit bias change the logits before sampling (greedy too: no fast argmax)."""
         return (self.repetition_penalty != 1.0 or self.presence_penalty != 0.0
-                or self.frequency_penalty != 0.0)
+                or self.frequency_penalty != 0.0 or bool(self.logit_bias))
 
     def check_served(self, speculative: Collection[str]) -> None:
         """Refuse a speculative method the engine does not serve (its proposers: `speculative`)."""
         if self.speculative != "off" and self.speculative not in speculative:
             raise RequestError(f"speculative={self.speculative!r} needs an engine started with a draft model "
                                f"(--draft-model)")
+
+
+def _checked_bias(bias: object) -> dict[int, float]:
+    """logit_bias as {token id: float}: ids integers >= 0, biases finite in [-100, 100] (OpenAI's range)."""
+    if bias is None:
+        return {}
+    if not isinstance(bias, dict):
+        raise RequestError(f"logit_bias must map token ids to biases, got {type(bias).__name__}")
+    out = {}
+    for tid, b in bias.items():
+        if not isinstance(tid, int) or isinstance(tid, bool) or tid < 0:
+            raise RequestError(f"logit_bias keys must be token ids (integers >= 0), got {tid!r}")
+        if not isinstance(b, (int, float)) or isinstance(b, bool) or not -100 <= b <= 100:  # NaN fails the range
+            raise RequestError(f"logit_bias values must be numbers in [-100, 100], got {b!r} for token {tid}")
+        out[tid] = float(b)
+    return out

@@ -142,7 +142,7 @@ def test_group_that_cannot_fit_is_refused():
 
 
 @pytest.mark.parametrize("kw", [dict(speculative="jacobi"), dict(repetition_penalty=1.2), dict(logprobs=1),
-                                dict(n=5, beam_width=4), dict(stop=["return"])])
+                                dict(n=5, beam_width=4), dict(stop=["return"]), dict(logit_bias={5: 1.0})])
 def test_refused_combinations(kw):
     with pytest.raises(RequestError):
         SamplingParams(use_beam_search=True, **kw)

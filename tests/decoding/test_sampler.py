@@ -1,7 +1,7 @@
 import pytest
 import torch
 
-from tokenhaul.decoding.sampler import SamplingBatch, apply_penalties, filter_logits, sample
+from tokenhaul.decoding.sampler import SamplingBatch, adjust_logits, filter_logits, sample
 from tokenhaul.engine.request import Request
 from tokenhaul.errors import RequestError
 from tokenhaul.sampling_params import SamplingParams
@@ -39,7 +39,7 @@ def filt(logits, top_k, top_p, min_p):
 
 
 def penalize(logits, r):
-    return apply_penalties(logits[None], SamplingBatch.build([r], logits.shape[-1]))[0]
+    return adjust_logits(logits[None], SamplingBatch.build([r], logits.shape[-1]))[0]
 
 
 def test_filter_logits_min_p_exact():
@@ -93,16 +93,20 @@ def test_logprobs_chosen_and_top_n():
 def test_batched_rows_equal_rows_alone():
     """Mixed parameters in one batch: each row filtered and penalised exactly as when alone."""
     g = torch.Generator().manual_seed(0)
-    logits = torch.randn(5, 50, generator=g)
     rs = [req(top_k=3), req(top_p=0.4, out=(1, 1, 2), presence_penalty=0.3), req(min_p=0.2, temperature=0.5),
-          req(repetition_penalty=1.5, prompt=(4, 5), frequency_penalty=0.5, out=(4,)), req(temperature=0)]
+          req(repetition_penalty=1.5, prompt=(4, 5), frequency_penalty=0.5, out=(4,)), req(temperature=0),
+          req(logit_bias={7: 3.0, 40: -2.5}, presence_penalty=0.5, out=(7,)), req(temperature=0, logit_bias={2: 1.0})]
+    logits = torch.randn(len(rs), 50, generator=g)
     batch = SamplingBatch.build(rs, 50)
-    together = filter_logits(apply_penalties(logits, batch), batch.top_k, batch.top_p, batch.min_p)
+    before = logits.clone()
+    together = filter_logits(adjust_logits(logits, batch), batch.top_k, batch.top_p, batch.min_p)
     for i, r in enumerate(rs):
         alone = SamplingBatch.build([r], 50)
-        row = filter_logits(apply_penalties(logits[i:i + 1], alone), alone.top_k, alone.top_p, alone.min_p)
+        row = filter_logits(adjust_logits(logits[i:i + 1], alone), alone.top_k, alone.top_p, alone.min_p)
         assert torch.equal(together[i], row[0])
     assert torch.isinf(together[0]).sum() == 47
+    assert together[5, 7] == pytest.approx(before[5, 7] + 3.0 - 0.5) and together[6, 2] == before[6, 2] + 1.0
+    assert torch.equal(logits, before)  # the caller's logits (logprobs are read from them) are left alone
 
 
 def test_seeded_rows_do_not_depend_on_batch_neighbours():
@@ -123,6 +127,11 @@ def test_batch_rows_sampled_independently():
     ({"max_tokens": 0}, "max_tokens"), ({"max_tokens": -3}, "max_tokens"), ({"top_p": 0.0}, "top_p"),
     ({"top_p": 1.5}, "top_p"), ({"temperature": -1}, "temperature"), ({"min_p": 2}, "min_p"),
     ({"top_k": -5}, "top_k"), ({"repetition_penalty": 0}, "repetition_penalty"), ({"logprobs": 50}, "logprobs"),
+    ({"logit_bias": {5: 101}}, "logit_bias"), ({"logit_bias": {5: -100.5}}, "logit_bias"),
+    ({"logit_bias": {5: float("nan")}}, "logit_bias"), ({"logit_bias": {5: float("inf")}}, "logit_bias"),
+    ({"logit_bias": {-1: 1.0}}, "logit_bias"), ({"logit_bias": {"5": 1.0}}, "logit_bias"),
+    ({"logit_bias": {5: "1"}}, "logit_bias"), ({"logit_bias": {True: 1.0}}, "logit_bias"),
+    ({"logit_bias": [(5, 1.0)]}, "logit_bias"),
 ])
 def test_bad_params_one_line_errors(kw, msg):
     with pytest.raises(RequestError, match=msg) as e:
@@ -139,3 +148,33 @@ def test_argmax_matches_torch_including_ties():
     x[2] = 0.0
     assert torch.equal(argmax(x), x.argmax(-1)) and argmax(x)[1] == 7 and argmax(x)[2] == 0
     assert torch.equal(argmax(x.t().contiguous().t()), x.argmax(-1))  # non-contiguous: torch's own
+
+
+def test_logit_bias_moves_greedy():
+    """Greedy is the argmax of the biased logits: -100 moves it off the raw argmax, +100 forces a token."""
+    assert draw({"temperature": 0, "logit_bias": {1: -100}}, 2) == [4, 4]
+    assert draw({"temperature": 0, "logit_bias": {3: 100}}, 2) == [3, 3]
+    assert draw({"temperature": 0, "logit_bias": {1: -0.05}}, 1) == [1]  # 2.95 still beats 2.9
+    assert draw({"temperature": 0, "logit_bias": {4: 0.06, 1: -0.06}}, 1) == [4]  # several ids in one row
+    assert draw({"temperature": 0, "logit_bias": {1: 0, 3: 0}}, 1) == [1]  # zero biases change nothing
+
+
+def test_logit_bias_when_sampling():
+    assert set(draw({"logit_bias": {3: 100}}, 100)) == {3}
+    assert set(draw({"temperature": 1.5, "top_p": 0.7, "logit_bias": {1: -100, 4: -100}}, 200)) == {0, 2}
+    assert set(draw({"top_k": 1, "logit_bias": {0: 2.5}})) == {0}  # top-k sees the biased logits (3.5 > 3)
+
+
+def test_logit_bias_keeps_raw_logprobs():
+    """Reported logprobs are the model's raw distribution's, whatever was added before sampling (vLLM's rule)."""
+    lp = torch.log_softmax(LOGITS, -1)
+    for kw in ({"temperature": 0}, {"temperature": 0.7, "seed": 3}):
+        s = sample(LOGITS[None].clone(), [req(logprobs=2, logit_bias={3: 100}, **kw)])[0]
+        assert s.token == 3 and s.logprob == pytest.approx(lp[3].item())
+        assert [t for t, _ in s.top_logprobs] == [1, 4] and s.top_logprobs[0][1] == pytest.approx(lp[1].item())
+
+
+def test_logit_bias_before_penalties():
+    """vLLM v1's order: bias, then the repetition penalty divides the biased logit (0.5 + 1) / 2, not 0.5 / 2 + 1."""
+    out = penalize(LOGITS.clone(), req(out=(3,), repetition_penalty=2.0, logit_bias={3: 1.0, 0: -1.0}))
+    assert out[3] == pytest.approx(0.75) and out[0] == pytest.approx(0.0) and out[2] == 2.0

@@ -116,6 +116,30 @@ def test_draft_request_without_draft_model_is_refused():
         core_with().add_request("r", [1, 2, 3], greedy("draft"))
 
 
+@pytest.mark.parametrize("spec", ["off", "prompt_lookup", "jacobi", "draft"])
+@pytest.mark.parametrize("temperature", [0.0, 1.0])
+def test_logit_bias_steers_every_strategy(spec, temperature):
+    """logit_bias reaches every row that picks a token: plain decoding, verification, the draft model's own."""
+    forced = SamplingParams(max_tokens=10, temperature=temperature, seed=5, ignore_eos=True, speculative=spec,
+                            logit_bias={42: 100.0})
+    assert run_requests(core_with(draft=spec == "draft"), prompts(3), forced) == [[42] * 10] * 3
+    plain = run_requests(core_with(), prompts(3), greedy(max_tokens=10))
+    banned = sorted({t for out in plain for t in out})[:5]
+    params = SamplingParams(max_tokens=10, temperature=temperature, seed=5, ignore_eos=True, speculative=spec,
+                            logit_bias={t: -100.0 for t in banned})
+    outs = run_requests(core_with(draft=spec == "draft"), prompts(3), params)
+    assert all(len(o) == 10 and not set(o) & set(banned) for o in outs)
+
+
+def test_logit_bias_outside_the_vocabulary_is_refused():
+    from tokenhaul.errors import RequestError
+
+    core = core_with()
+    with pytest.raises(RequestError, match=r"logit_bias contains token id 97, outside the vocabulary \[0, 97\)"):
+        core.add_request("r", [1, 2, 3], SamplingParams(logit_bias={5: 1.0, 97: -1.0}))
+    assert not core.has_unfinished()
+
+
 def test_ledger_counts_drafts_per_request():
     from tokenhaul.ledger.costs import ModelCosts
     from tokenhaul.ledger.ledger import Ledger

@@ -124,3 +124,22 @@ def test_bad_prompts_leave_the_llm_usable(smollm):
     with pytest.raises(RequestError, match="sampling params for 2 prompts"):
         smollm.generate(["a b c", "d e f"], [GREEDY])
     assert smollm.generate("Water boils at", GREEDY)[0].token_ids == ref
+
+
+def test_logit_bias_real(smollm):
+    """+100 on one token id makes every greedy token that id; -100 on the raw greedy choice moves off it. The
+    logprobs stay the model's raw ones (the forced token is unlikely there)."""
+    ref = smollm.generate("The capital of France is", SamplingParams(max_tokens=4, temperature=0, ignore_eos=True,
+                                                                     logprobs=1))[0]
+    tid = smollm.tokenizer.encode(" banana", add_special_tokens=False)[0]
+    p = SamplingParams(max_tokens=4, temperature=0, ignore_eos=True, logprobs=1, logit_bias={tid: 100})
+    out = smollm.generate("The capital of France is", p)[0]
+    assert out.token_ids == [tid] * 4 and out.text == smollm.tokenizer.decode([tid] * 4)
+    (top_id, top_lp), = out.logprobs[0].top  # the raw top-1: the unbiased greedy token
+    assert top_id == ref.token_ids[0] and top_lp == pytest.approx(ref.logprobs[0].logprob, abs=1e-4)
+    assert out.logprobs[0].logprob < top_lp
+    banned = SamplingParams(max_tokens=4, temperature=0, ignore_eos=True, logit_bias={ref.token_ids[0]: -100})
+    assert smollm.generate("The capital of France is", banned)[0].token_ids[0] != ref.token_ids[0]
+    with pytest.raises(RequestError, match="logit_bias contains token id"):
+        smollm.generate("x", SamplingParams(logit_bias={smollm.model.config.vocab_size: 1}))
+    assert not smollm.core.has_unfinished()

@@ -49,6 +49,12 @@ BAD = [
     (CMPL, {"prompt": [10**9]}, 400, None, None),
     (CMPL, {"prompt": [-3, 5]}, 400, None, None),
     (CMPL, {"prompt": ""}, 400, None, None),
+    (CMPL, {"prompt": "x", "logit_bias": {"abc": 1}}, 400, "logit_bias", None),
+    (CMPL, {"prompt": "x", "logit_bias": {"-1": 1}}, 400, "logit_bias", None),
+    (CMPL, {"prompt": "x", "logit_bias": {"5": 100.5}}, 400, "logit_bias", None),
+    (CMPL, {"prompt": "x", "logit_bias": {"5": "high"}}, 400, None, "float_type"),
+    (CMPL, {"prompt": "x", "logit_bias": [5]}, 400, "logit_bias", "dict_type"),
+    (CMPL, {"prompt": "x", "logit_bias": {"1000000": 1}}, 400, "logit_bias", None),  # beyond the vocabulary
     (CMPL, {"prompt": []}, 400, None, None),
     (CMPL, {"prompt": ["a", "b"], "n": 40}, 400, None, None),
     (CHAT, {"messages": []}, 400, "messages", "too_short"),
@@ -60,6 +66,8 @@ BAD = [
     (CHAT, {"messages": USER, "response_format": {"type": "json_object"}}, 400, None, None),  # not ignored
     (CHAT, {"messages": USER, "tools": [{"type": "function", "function": {"name": "f"}}]}, 400, None, None),
     (CHAT, {"messages": USER, "tool_choice": "auto"}, 400, None, None),
+    (CHAT, {"messages": USER, "logit_bias": {"5": -101}}, 400, "logit_bias", None),
+    (CHAT, {"messages": USER, "logit_bias": {"49152": 1}}, 400, "logit_bias", None),  # SmolLM2: 49152 tokens
     (CHAT, {"messages": USER, "max_completion_tokens": -5}, 400, "max_tokens", None),
     (CHAT, {"messages": [{"role": "user", "content": LONG}]}, 400, "messages", "context_length_exceeded"),
     (CHAT, {"model": "other", "messages": USER}, 404, "model", "model_not_found"),

@@ -44,6 +44,18 @@ def test_completions_logprobs(oai):
         assert value <= 0 and len(top) == 2 and top[tok] == max(top.values()) == pytest.approx(value)  # greedy
 
 
+def test_logit_bias(oai, real_server):
+    """The client sends logit_bias as given ({token id: bias}, JSON's string keys): +100 forces that token."""
+    tok = real_server[1].tokenizer
+    tid = tok.encode(" banana", add_special_tokens=False)[0]
+    r = oai.completions.create(model=MODEL, prompt="The capital of France is", max_tokens=3, temperature=0,
+                               logit_bias={str(tid): 100})
+    assert r.choices[0].text == tok.decode([tid] * 3)
+    r = oai.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "Hi"}], max_tokens=3,
+                                    temperature=0, logit_bias={str(tid): 100})
+    assert r.choices[0].message.content == tok.decode([tid] * 3)
+
+
 def test_chat_plain_and_stream(oai):
     msgs = [{"role": "system", "content": "You are terse."}, {"role": "user", "content": "Name a colour."}]
     kw = dict(model=MODEL, messages=msgs, max_tokens=16, temperature=0.7, seed=7)

@@ -130,6 +130,28 @@ def test_script_completion_logprobs_0_top_is_the_sampled_token(script_server, cl
     assert sum(len(lp["tokens"]) for lp in streamed) == 8
 
 
+def test_script_logit_bias_completions_and_chat(script_server, client, tokenizer):
+    """logit_bias, keyed by token ids as strings (OpenAI's form): +100 outweighs the script's 60-logit margin, greedy
+    or sampled, streamed or not; -100 on the script's next token moves greedy off it."""
+    url = script_server[0]
+    tid = tokenizer.encode(" banana", add_special_tokens=False)[0]
+    want = tokenizer.decode([tid] * 5)
+    body = {"prompt": "Start:", "max_tokens": 5, "logit_bias": {str(tid): 100}}
+    for temperature in (0, 1.0):
+        assert both(client, url + CMPL, body | {"temperature": temperature}) == ((want, "length"), (want, "length"))
+    chat = {"messages": [{"role": "user", "content": "x"}], "max_tokens": 5, "temperature": 0,
+            "logit_bias": {str(tid): 100.0}}
+    r = client.post(url + "/v1/chat/completions", json=chat)
+    assert r.status_code == 200 and r.json()["choices"][0]["message"]["content"] == want, r.text
+    model = script_server[2]
+    nxt = int(model.script[len(tokenizer.encode("Start:")) % len(model.script)])  # the script's first token
+    r = client.post(url + CMPL, json={"prompt": "Start:", "max_tokens": 1, "temperature": 0, "logprobs": 0,
+                                      "logit_bias": {str(nxt): -100, str(tid): 5}})
+    lp = r.json()["choices"][0]["logprobs"]
+    assert lp["tokens"] == [tokenizer.decode([tid])]
+    assert lp["token_logprobs"][0] == pytest.approx(-60.0, abs=0.01)  # the raw distribution's, not the biased one's
+
+
 # real model -------------------------------------------------------------------------------------
 PROMPTS = {
     "chinese": "请用中文写一首关于春天的短诗：\n",

@@ -16,7 +16,7 @@ from typing import Protocol
 import torch
 
 from tokenhaul.decoding.rejection import accept_greedy, accept_sampled
-from tokenhaul.decoding.sampler import Sample, SamplingBatch, apply_penalties, argmax, probabilities, with_logprobs
+from tokenhaul.decoding.sampler import Sample, SamplingBatch, adjust_logits, argmax, probabilities, with_logprobs
 from tokenhaul.engine.request import Request
 from tokenhaul.engine.scheduler import ScheduledChunk
 
@@ -59,7 +59,7 @@ class Decoder:
                top: torch.Tensor | None = None) -> list[Verdict]:
         """logits [R, V]: chunk after chunk, chunk.num_sampled rows each (its drafts, then the next); `top`:
         their argmax [R] where the step computed it."""
-        if all(c.num_sampled == 1 and c.request.params.greedy and not c.request.params.needs_penalties
+        if all(c.num_sampled == 1 and c.request.params.greedy and not c.request.params.adjusts_logits
                for c in chunks):  # the common step: one greedy token per request, nothing to build
             reqs = [c.request for c in chunks]
             samples = with_logprobs(logits, (argmax(logits) if top is None else top).tolist(), reqs)
@@ -72,7 +72,7 @@ class Decoder:
             reqs += [c.request] * c.num_sampled
             prefixes += [d[:i] for i in range(c.num_sampled)]
         batch = SamplingBatch.build(reqs, logits.shape[-1], prefixes)
-        logits_p = apply_penalties(logits, batch)
+        logits_p = adjust_logits(logits, batch)
         targets = argmax(logits_p).tolist()
         kept = [accept_greedy(targets[s:s + len(d) + 1], d) for s, d in zip(starts, drafts)]
         rand = [i for i, c in enumerate(chunks) if not c.request.params.greedy]

@@ -1,5 +1,5 @@
 """Sampler: logits → tokens for a batch of rows, each with its own temperature, top-k, top-p, min-p,
-penalties and seed, as batched tensor ops (no Python loop over the vocabulary per row).
+logit bias, penalties and seed, as batched tensor ops (no Python loop over the vocabulary per row).
 
 A row belongs to a request and sees the request's tokens plus a `prefix` (the drafts before that
 row, when k+1 positions of one request are verified together). Logprobs are those of the model's
@@ -48,13 +48,23 @@ def _index(rows: list[list[int]], device: torch.device) -> tuple[torch.Tensor, t
     return torch.tensor(r, dtype=torch.long, device=device), torch.tensor(t, dtype=torch.long, device=device)
 
 
-def apply_penalties(logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
-    """Repetition penalty over prompt + output + prefix (HF/vLLM form); presence and frequency over
-    output + prefix. Returns new logits [R, V] (the input is left unchanged)."""
+def adjust_logits(logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
+    """Logit bias, then the penalties (vLLM v1's order): what every sampled or greedy row sees before top-k/p and
+    temperature. Returns new logits [R, V] (the input is left unchanged; logprobs are the input's)."""
     ps = [r.params for r in batch.reqs]
-    if not any(p.needs_penalties for p in ps):
+    if not any(p.adjusts_logits for p in ps):
         return logits
-    logits = logits.clone()
+    dev = logits.device
+    if any(p.logit_bias for p in ps):
+        r_idx, t_idx = _index([list(p.logit_bias) for p in ps], dev)
+        bias = torch.tensor([b for p in ps for b in p.logit_bias.values()], dtype=logits.dtype, device=dev)
+        logits = logits.index_put((r_idx, t_idx), bias, accumulate=True)  # a new tensor; repeated ids add up
+    return _penalize(logits, batch, ps)
+
+
+def _penalize(logits: torch.Tensor, batch: SamplingBatch, ps: list) -> torch.Tensor:
+    """Repetition penalty over prompt + output + prefix (HF/vLLM form); presence and frequency over
+    output + prefix. Returns new logits where a penalty applies (the input is left unchanged)."""
     dev = logits.device
     rep = torch.tensor([p.repetition_penalty for p in ps], device=dev)[:, None]
     if bool((rep != 1.0).any()):
@@ -95,7 +105,7 @@ def filter_logits(logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor
 
 
 def probabilities(logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
-    """Penalised logits [R, V] → the distribution each (non-greedy) row samples from."""
+    """Adjusted logits [R, V] → the distribution each (non-greedy) row samples from."""
     logits = logits / batch.temperature[:, None].to(logits.device)
     return torch.softmax(filter_logits(logits, batch.top_k, batch.top_p, batch.min_p), -1)
 
@@ -126,7 +136,7 @@ def argmax(logits: torch.Tensor) -> torch.Tensor:
 
 
 def next_tokens(logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
-    """Penalised logits [R, V] → one token per row: argmax for greedy rows, a draw for the rest."""
+    """Adjusted logits [R, V] → one token per row: argmax for greedy rows, a draw for the rest."""
     tokens = argmax(logits)
     sampled = (~batch.greedy).nonzero()[:, 0].tolist()
     if sampled:
@@ -152,7 +162,7 @@ def with_logprobs(logits: torch.Tensor, tokens: list[int], reqs: list[Request]) 
 
 def sample(logits: torch.Tensor, reqs: list[Request]) -> list[Sample]:
     """logits: [N, vocab] fp32, one row per request in `reqs` → one Sample each."""
-    if all(r.params.greedy and not r.params.needs_penalties for r in reqs):  # the common decode step: no tensors
+    if all(r.params.greedy and not r.params.adjusts_logits for r in reqs):  # the common decode step: no tensors
         return with_logprobs(logits, argmax(logits).tolist(), reqs)
     batch = SamplingBatch.build(reqs, logits.shape[-1])
-    return with_logprobs(logits, next_tokens(apply_penalties(logits, batch), batch).tolist(), reqs)
+    return with_logprobs(logits, next_tokens(adjust_logits(logits, batch), batch).tolist(), reqs)

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import torch
 
-from tokenhaul.decoding.sampler import SamplingBatch, apply_penalties, argmax, draw, probabilities, uniforms
+from tokenhaul.decoding.sampler import SamplingBatch, adjust_logits, argmax, draw, probabilities, uniforms
 from tokenhaul.engine.request import Request
 from tokenhaul.engine.runner import ModelRunner
 from tokenhaul.engine.scheduler import ScheduledChunk, SchedulerOutput
@@ -66,7 +66,7 @@ class DraftModel:
             logits = runner.forward(inp)
             rs = [c.request for c in inp.sample_chunks]
             batch = SamplingBatch.build(rs, logits.shape[-1], [r.draft_token_ids for r in rs])
-            logits = apply_penalties(logits, batch)
+            logits = adjust_logits(logits, batch)
             tokens = argmax(logits)
             rand = (~batch.greedy).nonzero()[:, 0].tolist()
             if rand:

@@ -143,6 +143,7 @@ class EngineCore:
         the blocks held there, as far as its tokens match the prompt (copy-on-write); keep_kv: an empty
         holder that receives the request's blocks when it finishes (release it with `release`)."""
         params.check_served(self.decoder.proposers)
+        self.limits().check_params(params)
         if params.use_beam_search:
             self.beams.add(request_id, list(prompt_token_ids), params, tuple(eos_token_ids), priority)
             return

@@ -3,6 +3,7 @@ torch, so they cross a thread, a process or a Ray actor boundary unchanged (pick
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 
 from tokenhaul.errors import RequestError
@@ -54,11 +55,15 @@ class CoreLimits:
     vocab_size: int
     speculative: tuple[str, ...] = ()  # the speculative methods it serves ("off" always)
 
-    def check_token_ids(self, ids: list[int]) -> None:
-        """Client-given token ids must index the model's vocabulary."""
+    def check_token_ids(self, ids: Iterable[int], what: str = "prompt") -> None:
+        """Client-given token ids (of a prompt, or of `what`) must index the model's vocabulary."""
         bad = next((t for t in ids if not (isinstance(t, int) and 0 <= t < self.vocab_size)), None)
         if bad is not None:
-            raise RequestError(f"prompt contains token id {bad!r}, outside the vocabulary [0, {self.vocab_size})")
+            raise RequestError(f"{what} contains token id {bad!r}, outside the vocabulary [0, {self.vocab_size})")
+
+    def check_params(self, params: SamplingParams) -> None:
+        """The token ids a request's parameters name must index the vocabulary too (logit_bias's)."""
+        self.check_token_ids(params.logit_bias, "logit_bias")
 
 
 @dataclass(frozen=True)

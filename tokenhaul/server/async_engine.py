@@ -287,6 +287,7 @@ class AsyncEngine:
         if n == 0:
             raise RequestError("prompt is empty")
         params.check_served(lim.speculative)
+        lim.check_params(params)
         if n >= lim.max_model_len:
             raise PromptTooLong(f"prompt has {n} tokens, but the model's context holds {lim.max_model_len} "
                                 f"(prompt + at least 1 new token)")

@@ -56,6 +56,8 @@ class _SamplingFields(_Body):
     length_penalty: float | None = None
     speculative: str | None = None  # off | prompt_lookup | draft | jacobi (tokenhaul's)
     num_speculative_tokens: int | None = None
+    logit_bias: dict[str, float] | None = Field(
+        None, description="token id (a string, as OpenAI sends it) → bias in [-100, 100] added to its logit")
 
     def sampling_params(self, max_tokens: int, logprobs: int | None, index: int = 0) -> SamplingParams:
         """SamplingParams of choice `index` (seeds differ per choice: seed + index)."""
@@ -75,7 +77,17 @@ class _SamplingFields(_Body):
                               ignore_eos=self.ignore_eos, stop_token_ids=list(self.stop_token_ids or []),
                               skip_special_tokens=self.skip_special_tokens,
                               include_stop_str_in_output=self.include_stop_str_in_output,
-                              use_beam_search=self.use_beam_search, **kw)
+                              use_beam_search=self.use_beam_search, logit_bias=self._logit_bias(), **kw)
+
+    def _logit_bias(self) -> dict[int, float]:
+        """OpenAI's string keys as token ids (their range and the biases are SamplingParams' to check)."""
+        out = {}
+        for key, bias in (self.logit_bias or {}).items():
+            try:
+                out[int(key)] = bias
+            except ValueError:
+                raise RequestError(f"logit_bias keys must be token ids, got {key!r}") from None
+        return out
 
 
 class CompletionRequest(_SamplingFields):
@@ -84,7 +96,6 @@ class CompletionRequest(_SamplingFields):
     echo: bool = False
     suffix: str | None = None
     best_of: int | None = None
-    logit_bias: dict[str, float] | None = None
 
     def check_unsupported(self) -> None:
         if self.echo:
@@ -93,8 +104,6 @@ class CompletionRequest(_SamplingFields):
             raise RequestError("suffix is not supported")
         if self.best_of is not None and self.best_of != self.n:
             raise RequestError("best_of is not supported (use n)")
-        if self.logit_bias:
-            raise RequestError("logit_bias is not supported")
 
 
 class ContentPart(_Body):
@@ -135,7 +144,6 @@ class ChatCompletionRequest(_SamplingFields):
     response_format: dict[str, Any] | None = None
     tools: list[Any] | None = None
     tool_choice: str | dict[str, Any] | None = None
-    logit_bias: dict[str, float] | None = None
 
     def check_unsupported(self) -> None:
         """Refuse what would otherwise be ignored silently (a client would believe JSON mode or tools were on)."""
@@ -146,8 +154,6 @@ class ChatCompletionRequest(_SamplingFields):
             raise RequestError("tools are not supported")
         if self.tool_choice not in (None, "none"):
             raise RequestError("tool_choice is not supported")
-        if self.logit_bias:
-            raise RequestError("logit_bias is not supported")
 
 
 # responses ---------------------------------------------------------------------------------------
