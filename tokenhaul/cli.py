@@ -128,6 +128,7 @@ def cmd_generate(args: argparse.Namespace, chat: bool = False) -> None:
     if args.json:
         print(json.dumps({"text": out.text, "token_ids": out.token_ids, "logprobs": logprobs,
                           "prompt_token_ids": out.prompt_token_ids, "finish_reason": out.finish_reason,
+                          "stop_reason": out.stop_reason,
                           "beams": [{"text": b.text, "token_ids": b.token_ids, "score": b.score}
                                     for b in out.beams or []],
                           "ledger": out.ledger.summary() | {"load_seconds": load_s}}, ensure_ascii=False))

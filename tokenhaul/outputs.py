@@ -31,7 +31,7 @@ class RequestOutput:
     delta_text: str = ""  # text added by the latest update (streaming)
     finished: bool = False
     finish_reason: str | None = None
-    stop_reason: str | None = None  # the stop string matched, if any
+    stop_reason: int | str | None = None  # the stop string matched, or the stop_token_ids id stopped at (vLLM's)
     logprobs: list[TokenLogprob] | None = None
     beams: list[BeamOutput] | None = None  # beam search: the best n, best first (token_ids/text are beams[0]'s)
     ledger: Any = None  # tokenhaul.ledger.Ledger of the generate call, set by LLM.generate

@@ -200,3 +200,19 @@ def test_reachable_from_server_body_and_cli_flags():
                                       "--n", "2", "--length-penalty", "0.5"])
     p = sampling_params(args)
     assert (p.use_beam_search, p.beam_width, p.n, p.length_penalty, p.early_stopping) == (True, 3, 2, 0.5, False)
+
+
+def test_stop_reason_is_the_best_beams_stop_token_id():
+    """A group whose best beam ended at one of stop_token_ids reports that id (vLLM's stop_reason); EOS: None."""
+    reasons = []
+    for stops in ((42,), tuple(range(10, 90)), ()):
+        for eos in ((), stops[:1]):
+            core = core_with()
+            core.add_request("b", PROMPTS[0], beam(3, 10, stops), eos)
+            while core.has_unfinished():
+                for d in core.step():
+                    last = d.new_token_ids[-1]
+                    want = last if d.finish_reason == "stop" and last not in eos else None
+                    assert d.stop_reason == want and (d.finish_reason == "stop") == (last in stops)
+                    reasons.append(d.stop_reason)
+    assert any(r is not None for r in reasons) and None in reasons

@@ -143,3 +143,13 @@ def test_logit_bias_real(smollm):
     with pytest.raises(RequestError, match="logit_bias contains token id"):
         smollm.generate("x", SamplingParams(logit_bias={smollm.model.config.vocab_size: 1}))
     assert not smollm.core.has_unfinished()
+
+
+def test_stop_reason_of_a_stop_token_id(smollm):
+    """RequestOutput.stop_reason: the stop_token_ids id the request stopped at (an int, as vLLM's), the stop string
+    matched (a str), or None."""
+    ref = smollm.generate("1, 2, 3, 4,", SamplingParams(max_tokens=6, temperature=0, ignore_eos=True))[0]
+    stop = ref.token_ids[2]
+    out = smollm.generate("1, 2, 3, 4,", SamplingParams(max_tokens=6, temperature=0, stop_token_ids=[stop]))[0]
+    assert out.finish_reason == "stop" and out.stop_reason == stop and out.token_ids[-1] == stop
+    assert ref.stop_reason is None

@@ -144,3 +144,24 @@ def test_priority_runs_first(tiny_core):
     core.add_request("high", prompts(2)[1], GREEDY, priority=0)
     core.step()
     assert [r.request_id for r in core.scheduler.running] == ["high"]
+
+
+def test_stop_reason_is_the_stop_token_id(tiny_core):
+    """A request stopped at one of stop_token_ids reports that id as stop_reason (vLLM); EOS and length report None."""
+    prompt = [5, 6, 7, 8]
+    plain = run_requests(tiny_core(), [prompt], SamplingParams(max_tokens=8, temperature=0, ignore_eos=True))[0]
+
+    def last_delta(params, eos=()):
+        core = tiny_core()
+        core.add_request("r", prompt, params, eos)
+        while core.has_unfinished():
+            for d in core.step():
+                if d.finished:
+                    return d
+
+    d = last_delta(SamplingParams(max_tokens=8, temperature=0, stop_token_ids=[plain[3]]))
+    assert d.finish_reason == "stop" and d.stop_reason == plain[3] == d.new_token_ids[-1]
+    d = last_delta(SamplingParams(max_tokens=8, temperature=0, stop_token_ids=[plain[3]]), eos=(plain[3],))
+    assert d.finish_reason == "stop" and d.stop_reason is None  # EOS is checked first, as vLLM
+    d = last_delta(SamplingParams(max_tokens=3, temperature=0))
+    assert d.finish_reason == "length" and d.stop_reason is None

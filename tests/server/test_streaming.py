@@ -152,6 +152,35 @@ def test_script_logit_bias_completions_and_chat(script_server, client, tokenizer
     assert lp["token_logprobs"][0] == pytest.approx(-60.0, abs=0.01)  # the raw distribution's, not the biased one's
 
 
+def test_script_stop_reason_is_the_stop_token_id(script_server, client, tokenizer):
+    """Stopped at one of stop_token_ids: stop_reason is that id, an int (vLLM); streamed or not, completions and
+    chat."""
+    from tokenhaul.server.protocol import ChatCompletionChunk, ChatCompletionResponse, CompletionResponse
+
+    url, _, model = script_server
+    script = model.script.tolist()
+    first = script[len(tokenizer.encode("Start:")) % len(script)]  # the script's next token after the prompt
+    body = {"prompt": "Start:", "max_tokens": 10, "temperature": 0, "stop_token_ids": [first]}
+    r = client.post(url + CMPL, json=body).json()
+    CompletionResponse.model_validate(r)
+    assert r["choices"][0]["finish_reason"] == "stop" and r["choices"][0]["stop_reason"] == first
+    chunks, _ = sse(client, url + CMPL, body)
+    assert [c["stop_reason"] for ch in chunks for c in ch["choices"] if c["finish_reason"]] == [first]
+    stops = sorted(set(script))[:256]
+    chat = {"messages": [{"role": "user", "content": "x"}], "max_tokens": 10, "temperature": 0,
+            "stop_token_ids": stops}
+    r = client.post(url + "/v1/chat/completions", json=chat).json()
+    ChatCompletionResponse.model_validate(r)
+    reason = r["choices"][0]["stop_reason"]
+    assert r["choices"][0]["finish_reason"] == "stop" and type(reason) is int and reason in stops
+    chunks, _ = sse(client, url + "/v1/chat/completions", chat)
+    for ch in chunks:
+        ChatCompletionChunk.model_validate(ch)
+    assert [c["stop_reason"] for ch in chunks for c in ch["choices"] if c["finish_reason"]] == [reason]
+    r = client.post(url + CMPL, json={"prompt": "Start:", "max_tokens": 3, "temperature": 0}).json()
+    assert r["choices"][0]["finish_reason"] == "length" and r["choices"][0]["stop_reason"] is None
+
+
 # real model -------------------------------------------------------------------------------------
 PROMPTS = {
     "chinese": "请用中文写一首关于春天的短诗：\n",

@@ -11,7 +11,7 @@ from tokenhaul.text.tokenizer import Tokenizer
 
 
 def feed(tok: Tokenizer, params: SamplingParams, ids: list[int], finish_reason: str | None,
-         sizes: list[int] | None = None):
+         sizes: list[int] | None = None, stop_reason: int | None = None):
     """Send ids as the core would (chunks of `sizes`, one by one by default), the last delta finishing
     with finish_reason (None: the request is still running). The output, and the ids the front end
     asked to abort."""
@@ -23,7 +23,8 @@ def feed(tok: Tokenizer, params: SamplingParams, ids: list[int], finish_reason: 
         chunk, i = ids[i:i + n], i + n
         last = i >= len(ids) and finish_reason is not None
         _, stopped = proc.process([RequestDelta("r", chunk, last, finish_reason if last else None,
-                                                [Sample(t, -1.0) for t in chunk])])
+                                                [Sample(t, -1.0) for t in chunk],
+                                                stop_reason=stop_reason if last else None)])
         aborted += stopped
     return proc.release("r"), aborted
 
@@ -32,8 +33,8 @@ def feed(tok: Tokenizer, params: SamplingParams, ids: list[int], finish_reason: 
 def test_stop_token_text_dropped_unless_included(tiny: Tokenizer, include: bool) -> None:
     ids = tiny.encode("hello world")
     params = SamplingParams(stop_token_ids=[ids[-1]], include_stop_str_in_output=include)
-    out, _ = feed(tiny, params, ids, "stop")
-    assert out.token_ids == ids and out.finish_reason == "stop"
+    out, _ = feed(tiny, params, ids, "stop", stop_reason=ids[-1])
+    assert out.token_ids == ids and out.finish_reason == "stop" and out.stop_reason == ids[-1]  # the id (vLLM)
     assert out.text == ("hello world" if include else "hello")
 
 

@@ -185,8 +185,11 @@ class BeamSearch:
     def _finish(self, g: BeamGroup) -> RequestDelta:
         best = [(list(t), float(s)) for t, s in zip(g.hyp_tokens, g.hyp_scores.tolist())][:g.params.n]
         tokens = best[0][0]
-        reason = "stop" if tokens and tokens[-1] in g.stops else "length"
-        return RequestDelta(g.request_id, tokens, True, reason, [Sample(t) for t in tokens], best)
+        last = tokens[-1] if tokens else None
+        reason = "stop" if last in g.stops else "length"
+        eos = () if g.params.ignore_eos else g.beams[0].eos_token_ids  # EOS first, as the scheduler checks
+        stop_id = last if last in g.params.stop_token_ids and last not in eos else None
+        return RequestDelta(g.request_id, tokens, True, reason, [Sample(t) for t in tokens], best, stop_id)
 
     def _drop(self, g: BeamGroup, reason: str) -> list[Request]:
         self.groups.pop(g.request_id, None)

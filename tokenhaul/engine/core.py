@@ -258,4 +258,5 @@ class EngineCore:
         req = v.request
         new = req.output_token_ids[before:]
         done = req.status is Status.FINISHED
-        return RequestDelta(req.request_id, new, done, req.finish_reason if done else None, v.samples[:len(new)])
+        return RequestDelta(req.request_id, new, done, req.finish_reason if done else None, v.samples[:len(new)],
+                            stop_reason=req.stop_reason if done else None)

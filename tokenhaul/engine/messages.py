@@ -29,6 +29,7 @@ class RequestDelta:
     finish_reason: str | None = None
     samples: list[Sample] = field(default_factory=list)
     beams: list[tuple[list[int], float]] | None = None  # beam search: (token ids, score) of the best n
+    stop_reason: int | None = None  # finished at this token of stop_token_ids (not at EOS)
 
 
 @dataclass(frozen=True)

@@ -38,6 +38,7 @@ class Request:
     output_token_ids: list[int] = field(default_factory=list)
     status: Status = Status.WAITING
     finish_reason: str | None = None
+    stop_reason: int | None = None  # the stop_token_ids token it stopped at (EOS: None), as vLLM
     num_computed_tokens: int = 0
     num_cached_tokens: int = 0  # prompt tokens served from the prefix cache (first admission)
     num_preemptions: int = 0

@@ -260,6 +260,7 @@ class Scheduler:
         if not p.ignore_eos and tok in req.eos_token_ids:
             return "stop"
         if tok in p.stop_token_ids:
+            req.stop_reason = tok
             return "stop"
         if len(req.output_token_ids) >= p.max_tokens or req.num_tokens >= self.config.max_model_len:
             return "length"

@@ -58,7 +58,7 @@ class GenerationDelta:
     num_output_tokens: int  # so far, in all
     finished: bool = False
     finish_reason: str | None = None
-    stop_reason: str | None = None  # the stop string matched, if any
+    stop_reason: int | str | None = None  # the stop string matched, or the stop token id
 
     def merge(self, later: GenerationDelta) -> None:
         """Append a later delta of the same request (the reader was slower than the engine)."""

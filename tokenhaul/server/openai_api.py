@@ -82,7 +82,7 @@ class _Choice:
     num_tokens: int = 0
     logprobs: list = field(default_factory=list)
     finish_reason: str | None = None
-    stop_reason: str | None = None
+    stop_reason: int | str | None = None
 
     def add(self, d: GenerationDelta) -> None:
         self.text += d.text
@@ -315,7 +315,8 @@ class OpenAIHandlers:
                     continue
                 choices.append({"index": i, "delta": {"content": d.text} if d.text else {},
                                 "logprobs": {"content": self._chat_logprobs(d.logprobs or [])} if want_lp else None,
-                                "finish_reason": d.finish_reason if d.finished else None})
+                                "finish_reason": d.finish_reason if d.finished else None,
+                                "stop_reason": d.stop_reason})
             return [chunk(choices)] if choices else []
 
         def tail() -> list[dict]:

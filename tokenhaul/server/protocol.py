@@ -186,7 +186,7 @@ class CompletionChoice(BaseModel):
     text: str
     logprobs: CompletionLogprobs | None = None
     finish_reason: str | None = None
-    stop_reason: str | None = None
+    stop_reason: int | str | None = None  # the stop string, or the stop_token_ids id (vLLM)
 
 
 class CompletionResponse(BaseModel):
@@ -222,7 +222,7 @@ class ChatChoice(BaseModel):
     message: AssistantMessage
     logprobs: ChatLogprobs | None = None
     finish_reason: str | None = None
-    stop_reason: str | None = None
+    stop_reason: int | str | None = None  # the stop string, or the stop_token_ids id (vLLM)
 
 
 class ChatCompletionResponse(BaseModel):
@@ -244,6 +244,7 @@ class ChatChunkChoice(BaseModel):
     delta: ChatDelta
     logprobs: ChatLogprobs | None = None
     finish_reason: str | None = None
+    stop_reason: int | str | None = None
 
 
 class ChatCompletionChunk(BaseModel):

@@ -63,7 +63,7 @@ class OutputProcessor:
                     to_abort.append(d.request_id)
             elif d.finished:
                 text += detok.flush()
-                out.finished, out.finish_reason = True, d.finish_reason
+                out.finished, out.finish_reason, out.stop_reason = True, d.finish_reason, d.stop_reason
             t2 = time.perf_counter()
             out.token_ids += new
             if out.logprobs is not None:
