@@ -181,6 +181,33 @@ def test_script_stop_reason_is_the_stop_token_id(script_server, client, tokenize
     assert r["choices"][0]["finish_reason"] == "length" and r["choices"][0]["stop_reason"] is None
 
 
+def test_script_completion_top_logprobs_hold_the_sampled_token(script_server, client, tokenizer):
+    """Completions' logprobs k: the k most likely tokens, and the sampled one where it is not among them (OpenAI's
+    "as well the chosen tokens", vLLM's k + 1 entries); chat's top_logprobs stay k."""
+    from tokenhaul.server.protocol import CompletionResponse
+
+    url = script_server[0]
+    tid = tokenizer.encode(" banana", add_special_tokens=False)[0]  # forced: far from the script's top token
+    banana = tokenizer.decode([tid])
+    plain = {"prompt": "Start:", "max_tokens": 4, "temperature": 0, "logprobs": 1}
+    forced = plain | {"logit_bias": {str(tid): 100}}
+    for body, size in ((plain, 1), (forced, 2)):
+        r = client.post(url + CMPL, json=body).json()
+        CompletionResponse.model_validate(r)
+        chunks, _ = sse(client, url + CMPL, body)
+        streamed = [c["logprobs"] for ch in chunks for c in ch["choices"] if c["logprobs"]]
+        for lp in [r["choices"][0]["logprobs"], *streamed]:
+            for tok, value, top in zip(lp["tokens"], lp["token_logprobs"], lp["top_logprobs"]):
+                assert len(top) == size and top[tok] == value and (tok == banana) == (body is forced)
+                assert max(top.values()) > -1e-3  # the most likely one is there too
+    r = client.post(url + "/v1/chat/completions", json={
+        "messages": [{"role": "user", "content": "x"}], "max_tokens": 4, "temperature": 0, "logprobs": True,
+        "top_logprobs": 1, "logit_bias": {str(tid): 100}}).json()
+    for e in r["choices"][0]["logprobs"]["content"]:
+        assert e["token"] == banana and [t["token"] for t in e["top_logprobs"]] != [banana]
+        assert len(e["top_logprobs"]) == 1
+
+
 # real model -------------------------------------------------------------------------------------
 PROMPTS = {
     "chinese": "请用中文写一首关于春天的短诗：\n",

@@ -256,8 +256,9 @@ class OpenAIHandlers:
             t = self.token_text(lp.token_id)
             tokens.append(t)
             values.append(_finite(lp.logprob))
-            top = lp.top if lp.top is not None else [(lp.token_id, lp.logprob)]  # logprobs 0: the sampled token (vLLM)
-            tops.append({self.token_text(tid): _finite(v) for tid, v in top})
+            top = {self.token_text(tid): _finite(v) for tid, v in lp.top or []}
+            top[t] = values[-1]  # and the sampled token, where it is not among the k (vLLM; up to k + 1 entries)
+            tops.append(top)
             text_offset.append(offsets.advance(i, self.token_bytes(lp.token_id)))
         return {"tokens": tokens, "token_logprobs": values, "top_logprobs": tops, "text_offset": text_offset}
 

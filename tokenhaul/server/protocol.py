@@ -177,7 +177,7 @@ class Usage(BaseModel):
 class CompletionLogprobs(BaseModel):
     tokens: list[str]
     token_logprobs: list[float | None]
-    top_logprobs: list[dict[str, float]] | None = None  # logprobs 0: the sampled token alone
+    top_logprobs: list[dict[str, float]] | None = None  # the k most likely and the sampled token (k + 1 at most)
     text_offset: list[int]
 
 
