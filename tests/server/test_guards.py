@@ -228,3 +228,25 @@ def test_generation_deadline_ends_requests_with_abort(tokenizer):
         assert 'tokenhaul_requests_total{finish_reason="timeout"} 2.0' in c.get(srv.url + "/metrics").text
         wait_idle(engine)
         assert engine.client.core_thread.stats.kv_blocks_used == 0
+
+
+def test_generation_deadline_sends_text_held_for_a_stop_string(tokenizer):
+    """At the deadline (finish_reason "abort") the text held back as a possible stop-string prefix is sent, streamed
+    or not: the request ended at no stop string."""
+    engine, model = script_engine(tokenizer)
+    with ServerThread(build_app(engine)) as srv, httpx.Client(timeout=30) as c:
+        body = {"prompt": "Hi", "max_tokens": 60, "ignore_eos": True, "temperature": 0}
+        ref = c.post(srv.url + CMPL, json=body).json()["choices"][0]["text"]
+        stop = ref[:MAX_STOP_CHARS - 1] + "\x00"  # every output so far is a prefix of it: all of it held back
+        engine.request_timeout = 0.5
+        model.delay = 0.02  # 60 tokens would take at least 1.2 s
+        r = c.post(srv.url + CMPL, json=body | {"stop": stop}).json()
+        choice = r["choices"][0]
+        assert choice["finish_reason"] == "abort" and 0 < r["usage"]["completion_tokens"] < 60
+        cut = choice["text"].rstrip("\ufffd")  # where the deadline fell inside a character, as at a length finish
+        assert cut and ref.startswith(cut)
+        with c.stream("POST", srv.url + CMPL, json=body | {"stop": stop, "stream": True}) as s:
+            data = [json.loads(ln[6:]) for ln in s.iter_lines() if ln.startswith("data: ") and ln != "data: [DONE]"]
+        text = "".join(ch["text"] for d in data for ch in d["choices"]).rstrip("\ufffd")
+        assert text and ref.startswith(text) and data[-1]["choices"][0]["finish_reason"] == "abort"
+        wait_idle(engine)

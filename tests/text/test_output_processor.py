@@ -65,3 +65,17 @@ def test_drafts_past_a_stop_string_are_not_output(tiny: Tokenizer, sizes: list[i
     assert plain.text == out.text == "hell" and out.stop_reason == "o w" and aborted == plain_abort == ["r"]
     assert out.token_ids == plain.token_ids == ids[:len(tiny.encode("hello w"))]
     assert [lp.token_id for lp in out.logprobs] == out.token_ids
+
+
+def test_abort_releases_text_held_for_a_stop_string(tiny: Tokenizer) -> None:
+    """A request ended from outside (a deadline, a client gone) ends at no stop string: the text held back as a
+    possible stop-string prefix is released as the last delta, as at a length finish."""
+    ids = tiny.encode("hello wor")
+    proc = OutputProcessor(tiny)
+    proc.add("r", tiny.encode("hi"), SamplingParams(stop=["world peace"]))
+    proc.process([RequestDelta("r", ids, False, None, [Sample(t) for t in ids])])
+    shown = proc.outputs["r"].text
+    assert "hello wor".startswith(shown) and shown != "hello wor"  # "wor" may start the stop string: held
+    out = proc.abort("r")
+    assert out.finished and out.finish_reason == "abort" and out.stop_reason is None
+    assert out.text == "hello wor" and out.delta_text == "hello wor"[len(shown):]

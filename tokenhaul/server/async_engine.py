@@ -335,19 +335,20 @@ class AsyncEngine:
         """Forget a request here and abort it in the core (a no-op if it already finished)."""
         self._forget(request_id, "abort")
 
-    def _forget(self, request_id: str, outcome: str) -> _Entry | None:
-        """Drop a request from the front end, count its outcome, abort it in the core."""
+    def _forget(self, request_id: str, outcome: str) -> tuple[_Entry, str] | None:
+        """Drop a request from the front end, count its outcome, abort it in the core. Returns its entry and
+        the text the detokenizer still held (released at the end: it was no stop string)."""
         e = self._entries.pop(request_id, None)
         if e is None:
             return None
         self._ended(e)
         if e.first_t is None:
             self._num_waiting -= 1
-        self.processor.abort(request_id)
+        out = self.processor.abort(request_id)
         self.processor.release(request_id)
         self.metrics.requests.labels(outcome).inc()
         self.client.abort(request_id, outcome)
-        return e
+        return e, out.delta_text if out is not None else ""
 
     # outputs from the client -------------------------------------------------------------------
     def _process(self, out: CoreOutputs) -> None:
@@ -395,14 +396,16 @@ class AsyncEngine:
         """The generation deadline passed: finish the request with what it has. Its finish_reason is vLLM's
         "abort" (OpenAI has no "timeout"; "length" would claim max_tokens or the context ran out); the
         requests metric and the core's abort name the cause, "timeout"."""
-        e = self._forget(request_id, "timeout")
-        if e is not None:
-            e.stream._put(e.index, GenerationDelta("", [], None, e.num_prompt_tokens, e.num_seen, True, "abort"))
+        gone = self._forget(request_id, "timeout")
+        if gone is not None:
+            e, held = gone
+            e.stream._put(e.index, GenerationDelta(held, [], None, e.num_prompt_tokens, e.num_seen, True, "abort"))
 
     def _fail(self, request_id: str, error: Exception) -> None:
         """End a request with an error its reader will raise; aborts it in the core too."""
-        e = self._forget(request_id, "error")
-        if e is not None:
+        gone = self._forget(request_id, "error")
+        if gone is not None:
+            e, _ = gone
             e.stream._fail(e.index, error)
 
     def _fail_all(self, error: Exception) -> None:

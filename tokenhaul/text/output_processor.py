@@ -81,8 +81,13 @@ class OutputProcessor:
         return updated, to_abort
 
     def abort(self, request_id: str, reason: str = "abort") -> RequestOutput | None:
+        """Finish a request the core did not finish (deadline, client gone). Text held back as a possible
+        stop-string prefix was no stop string: it is released, as at any end but a stop string's (delta_text)."""
         out = self.outputs.get(request_id)
         if out is not None and not out.finished:
+            text = self._detok[request_id].flush()
+            out.text += text
+            out.delta_text = text
             out.finished, out.finish_reason = True, reason
             self._drop(request_id)
         return out
