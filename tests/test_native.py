@@ -70,15 +70,17 @@ def test_shims_are_global_c_functions_of_their_ops() -> None:
     import ctypes
 
     from tokenhaul.kv import decode_attention
-    from tokenhaul.layers import int4_gemv, int8_gemv, linear_sparse
+    from tokenhaul.layers import bf16_gemv, int4_gemv, int8_gemv, linear_sparse
 
     sparse = linear_sparse.SparseLinear(torch.zeros(16, 16, dtype=torch.bfloat16), "dense", 0.5, 16, None)  # builds it
-    if not (int4_gemv.available() and int8_gemv.available() and decode_attention.available() and sparse.fused):
+    if not (int4_gemv.available() and int8_gemv.available() and bf16_gemv.available() and decode_attention.available()
+            and sparse.fused):
         pytest.skip("no C++ compiler")
     shims = native.c_shims()
     process = ctypes.CDLL(None)
     for op, name in ((torch.ops.tokenhaul_int4.gemv, "aoti_torch_cpu_gemv"),
                      (torch.ops.tokenhaul_int8.int8_gemv, "aoti_torch_cpu_int8_gemv"),
+                     (torch.ops.tokenhaul_bf16.bf16_gemv, "aoti_torch_cpu_bf16_gemv"),
                      (torch.ops.tokenhaul_sparse.sparse_gemv, "aoti_torch_cpu_sparse_gemv"),
                      (torch.ops.tokenhaul_kv.decode_bf16, "aoti_torch_cpu_decode_bf16"),
                      (torch.ops.tokenhaul_kv.decode_int8, "aoti_torch_cpu_decode_int8")):

@@ -10,6 +10,7 @@ from tiny_models import tiny_model
 from tokenhaul.config import EngineConfig
 from tokenhaul.engine.core import EngineCore
 from tokenhaul.layers.attention import _per_query_sdpa
+from tokenhaul.layers.quantization import LinearFactory, QuantSpec
 from tokenhaul.sampling_params import SamplingParams
 
 H, HKV, D, L = 9, 3, 64, 320  # SmolLM2's heads: big enough that the default kernels split and tile
@@ -60,8 +61,10 @@ def _greedy_with_logprobs(core: EngineCore, prompts: list[list[int]]) -> list[li
 
 def test_engine_numbers_do_not_depend_on_chunking_or_batch():
     """bf16 tiny model: prompts prefilled in 5- or 17-token chunks or whole, alone or together, give
-    bit-identical tokens and logprobs under deterministic=True."""
-    model = tiny_model(dtype=torch.bfloat16, seed=3)
+    bit-identical tokens and logprobs under deterministic=True (whose linears are built batch-invariant, as
+    load_model builds them for it: one kernel at every row count)."""
+    make = LinearFactory(QuantSpec("none"), torch.bfloat16, torch.device("cpu"), batch_invariant=True)
+    model = tiny_model(dtype=torch.bfloat16, seed=3, make=make)
     prompts = [[(7 * i + j) % 97 for j in range(20 + 9 * i)] for i in range(5)]
 
     def run(budget: int, together: bool) -> list[list[tuple[int, float]]]:

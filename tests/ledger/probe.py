@@ -7,7 +7,8 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
-PACKED_GEMVS = (("tokenhaul_int4", "gemv"), ("tokenhaul_int8", "int8_gemv"))  # (namespace, op): the C++ GEMVs
+PACKED_GEMVS = (("tokenhaul_int4", "gemv"), ("tokenhaul_int8", "int8_gemv"), ("tokenhaul_bf16", "bf16_gemv"))  # the C++
+# GEMVs (namespace, op)
 
 
 def _ptr(t: torch.Tensor) -> int:

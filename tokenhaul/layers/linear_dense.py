@@ -1,9 +1,11 @@
-"""Dense (unquantized) linear: the exact path for `--quantization none` and for float tensors."""
+"""Dense (unquantized) linear: the exact path for `--quantization none` and for float tensors. bf16 weights on the
+CPU take the C++ few-row GEMV (layers/bf16_gemv.py) up to 8 rows: 1.2-2.2x torch's bf16 `F.linear` there."""
 
 from __future__ import annotations
 
 import torch
 
+from tokenhaul.layers import bf16_gemv
 from tokenhaul.layers.linear import FP32_GEMM_ROWS, Linear, Part, dequantize_part, low_precision_gemm_is_fast, register
 
 
@@ -21,6 +23,8 @@ class DenseLinear(Linear):
         self.weight = weight
         self.bias = bias
         self.widen = weight.dtype == torch.bfloat16 and not low_precision_gemm_is_fast(weight.device)
+        self.gemv = (weight.dtype == torch.bfloat16 and not transposed and weight.device.type == "cpu"
+                     and bf16_gemv.available())
 
     @classmethod
     def build(cls, parts: list[Part], bias, dtype, device, group=None) -> DenseLinear:
@@ -31,6 +35,8 @@ class DenseLinear(Linear):
         return cls(w, None if bias is None else bias.to(device, torch.float32))
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        if self.gemv and 0 < x.shape[0] <= bf16_gemv.MAX_ROWS:  # 1 row: 2.2x F.linear, 8 rows 1.2x, 16 0.6x
+            return self._add_bias(torch.ops.tokenhaul_bf16.bf16_gemv(x, self.weight)).to(x.dtype)
         if self.widen and x.shape[0] >= FP32_GEMM_ROWS:  # one fp32 copy of the weight beats a slow bf16 GEMM
             y = torch.nn.functional.linear(x.float(), self.weight.float())
             return self._add_bias(y).to(x.dtype)

@@ -108,6 +108,8 @@ class LinearFactory:
             if lin.format == "int8":
                 lin.packed_rows = 0  # the integer GEMM's int32 sums are exact, so each row is its own
                 lin.gemv = False
+            if lin.format == "dense":
+                lin.gemv = False  # bf16: F.linear at every row count
             lin.widen = False  # no fp32 GEMM from some row count on (AVX2 hosts), even where it is faster
         self.made.append(lin)
         return lin
