@@ -277,9 +277,6 @@ class AsyncEngine:
 
         return await asyncio.to_thread(render)
 
-    def check_token_ids(self, ids: list[int]) -> None:
-        self.limits.check_token_ids(ids)
-
     def check_prompt(self, prompt_ids: list[int], params: SamplingParams) -> None:
         """What the core's scheduler would refuse at admission, refused here first (as HTTP 400)."""
         lim = self.limits

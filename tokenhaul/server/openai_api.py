@@ -247,7 +247,7 @@ class OpenAIHandlers:
         else:
             prompts = prompt
         for p in prompts:
-            self.engine.check_token_ids(p)
+            self.engine.limits.check_token_ids(p)
         return [list(p) for p in prompts]
 
     def _completion_logprobs(self, lps: list, offsets: _TextOffsets, i: int) -> dict:
