@@ -108,6 +108,22 @@ def test_int4_bf16_inputs_any_group_and_width(group, n, quantile, threads):
     assert torch.allclose(y, ref, rtol=1e-2, atol=1e-2 * float(ref.abs().max()))
 
 
+@pytest.mark.parametrize("storage", ["int8", "int4"])
+def test_calls_do_not_share_state(storage):
+    """The op keeps its per-row scratch between calls (thread_local): an fp32 call after bf16 ones still takes the
+    exact float sums, not the previous call's 8-bit inputs, and the same bf16 call gives the same bits again."""
+    g = torch.Generator().manual_seed(11)
+    inner = INNER[storage][0](torch.randn(320, 128, generator=g) * 0.1)
+    s = SparseLinear.wrap(inner, threshold=0.5, max_rows=2)
+    xb = torch.randn(2, 128, generator=g).bfloat16()
+    x32 = torch.randn(1, 128, generator=g) * 2
+    first = s(xb)
+    y32 = s(x32)
+    ref = s.reference(x32)
+    assert torch.allclose(y32, ref, rtol=1e-5, atol=1e-5 * float(ref.abs().max()))
+    assert torch.equal(s(xb), first)
+
+
 @pytest.mark.parametrize("storage", ["bf16", "int8"])
 def test_inputs_not_a_multiple_of_eight(storage):
     """bf16 inputs are sifted 8 at a time (AVX2, AVX-512: 16): the last K % 8 channels one by one, each kept one
