@@ -56,6 +56,7 @@ BAD = [
     (CMPL, {"prompt": "x", "logit_bias": [5]}, 400, "logit_bias", "dict_type"),
     (CMPL, {"prompt": "x", "logit_bias": {"1000000": 1}}, 400, "logit_bias", None),  # beyond the vocabulary
     (CMPL, {"prompt": []}, 400, None, None),
+    (CMPL, {"prompt": "x", "stream": False, "stream_options": {"include_usage": True}}, 400, "stream_options", None),
     (CMPL, {"prompt": ["a", "b"], "n": 40}, 400, None, None),
     (CHAT, {"messages": []}, 400, "messages", "too_short"),
     (CHAT, {"messages": "hi"}, 400, "messages", "list_type"),
@@ -63,6 +64,7 @@ BAD = [
     (CHAT, {"messages": [{"role": "user", "content": 5}]}, 400, "messages.0.content", None),
     (CHAT, {"messages": [{"role": "user", "content": [{"type": "image_url"}]}]}, 400, None, None),
     (CHAT, {"messages": USER, "top_logprobs": 2}, 400, None, None),
+    (CHAT, {"messages": USER, "stream": False, "stream_options": {}}, 400, "stream_options", None),
     (CHAT, {"messages": USER, "response_format": {"type": "json_object"}}, 400, None, None),  # not ignored
     (CHAT, {"messages": USER, "tools": [{"type": "function", "function": {"name": "f"}}]}, 400, None, None),
     (CHAT, {"messages": USER, "tool_choice": "auto"}, 400, None, None),

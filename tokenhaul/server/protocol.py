@@ -59,6 +59,11 @@ class _SamplingFields(_Body):
     logit_bias: dict[str, float] | None = Field(
         None, description="token id (a string, as OpenAI sends it) → bias in [-100, 100] added to its logit")
 
+    def check_stream_options(self) -> None:
+        """stream_options only with stream (as OpenAI and vLLM): without it no usage chunk could come."""
+        if self.stream_options is not None and not self.stream:
+            raise RequestError("stream_options is only allowed when stream is true")
+
     def sampling_params(self, max_tokens: int, logprobs: int | None, index: int = 0) -> SamplingParams:
         """SamplingParams of choice `index` (seeds differ per choice: seed + index)."""
         seed = None if self.seed is None else (self.seed + index) % 2**63
@@ -98,6 +103,7 @@ class CompletionRequest(_SamplingFields):
     best_of: int | None = None
 
     def check_unsupported(self) -> None:
+        self.check_stream_options()
         if self.echo:
             raise RequestError("echo is not supported")
         if self.suffix:
@@ -147,6 +153,7 @@ class ChatCompletionRequest(_SamplingFields):
 
     def check_unsupported(self) -> None:
         """Refuse what would otherwise be ignored silently (a client would believe JSON mode or tools were on)."""
+        self.check_stream_options()
         kind = (self.response_format or {}).get("type", "text")
         if kind != "text":
             raise RequestError(f"response_format {kind!r} is not supported (no constrained decoding): use 'text'")
