@@ -64,6 +64,8 @@ BAD = [
     (CHAT, {"messages": [{"role": "user", "content": 5}]}, 400, "messages.0.content", None),
     (CHAT, {"messages": [{"role": "user", "content": [{"type": "image_url"}]}]}, 400, None, None),
     (CHAT, {"messages": USER, "top_logprobs": 2}, 400, None, None),
+    (CHAT, {"messages": USER, "logprobs": True, "top_logprobs": 21}, 400, "top_logprobs", None),
+    (CHAT, {"messages": USER, "logprobs": True, "top_logprobs": -1}, 400, "top_logprobs", None),
     (CHAT, {"messages": USER, "stream": False, "stream_options": {}}, 400, "stream_options", None),
     (CHAT, {"messages": USER, "response_format": {"type": "json_object"}}, 400, None, None),  # not ignored
     (CHAT, {"messages": USER, "tools": [{"type": "function", "function": {"name": "f"}}]}, 400, None, None),

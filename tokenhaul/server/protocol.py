@@ -18,6 +18,7 @@ MAX_STOP = 16  # stop strings per request
 MAX_STOP_CHARS = 256  # characters per stop string
 MAX_STOP_TOKEN_IDS = 256
 MAX_MESSAGES = 1024  # chat messages per request
+MAX_TOP_LOGPROBS = 20  # OpenAI's bound on chat's top_logprobs
 StopText = Annotated[str, Field(max_length=MAX_STOP_CHARS)]
 
 
@@ -152,7 +153,8 @@ class ChatCompletionRequest(_SamplingFields):
     tool_choice: str | dict[str, Any] | None = None
 
     def check_unsupported(self) -> None:
-        """Refuse what would otherwise be ignored silently (a client would believe JSON mode or tools were on)."""
+        """Refuse what would otherwise be ignored silently (a client would believe JSON mode or tools were on), and
+        top_logprobs out of range by its own name (SamplingParams would name the logprobs it becomes)."""
         self.check_stream_options()
         kind = (self.response_format or {}).get("type", "text")
         if kind != "text":
@@ -161,6 +163,8 @@ class ChatCompletionRequest(_SamplingFields):
             raise RequestError("tools are not supported")
         if self.tool_choice not in (None, "none"):
             raise RequestError("tool_choice is not supported")
+        if self.top_logprobs is not None and not 0 <= self.top_logprobs <= MAX_TOP_LOGPROBS:
+            raise RequestError(f"top_logprobs must be in [0, {MAX_TOP_LOGPROBS}], got {self.top_logprobs}")
 
 
 # responses ---------------------------------------------------------------------------------------
