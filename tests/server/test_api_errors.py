@@ -41,7 +41,7 @@ BAD = [
     (CMPL, {"prompt": "x", "n": 1000}, 400, "n", "less_than_equal"),
     (CMPL, {"prompt": "x", "logprobs": 50}, 400, "logprobs", None),
     (CMPL, {"prompt": "x", "presence_penalty": 9}, 400, "presence_penalty", None),
-    (CMPL, {"prompt": "x", "echo": True}, 400, None, None),
+    (CMPL, {"prompt": "x", "echo": True, "logprobs": 1}, 400, "echo", None),  # no prompt logprobs
     (CMPL, {"prompt": "x", "speculative": "medusa"}, 400, None, None),
     (CMPL, {"prompt": "x", "num_speculative_tokens": 99}, 400, None, None),
     (CMPL, {"prompt": "x", "speculative": "draft"}, 400, None, None),  # no draft model: refused at admission

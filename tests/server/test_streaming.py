@@ -89,6 +89,31 @@ def test_script_n_choices_stream(script_server, client):
     assert chunks[-1]["choices"] == [] and usage["completion_tokens"] == 24
 
 
+def test_script_echo_puts_each_prompt_before_its_choices(script_server, client, tokenizer):
+    """echo (OpenAI, vLLM): each choice's text is its prompt, then the completion; streamed, the prompt comes first;
+    a prompt of token ids is echoed decoded; usage counts as without echo."""
+    from tokenhaul.server.protocol import CompletionResponse
+
+    url = script_server[0] + CMPL
+    prompts = ["Start:", "你好 b b"]
+    base = {"prompt": prompts, "n": 2, "max_tokens": 6, "temperature": 0}
+    ref = client.post(url, json=base).json()
+    r = client.post(url, json=base | {"echo": True}).json()
+    CompletionResponse.model_validate(r)
+    want = [prompts[i // 2] + ref["choices"][i]["text"] for i in range(4)]
+    assert [c["text"] for c in r["choices"]] == want and r["usage"] == ref["usage"]
+    chunks, _ = sse(client, url, base | {"echo": True, "stream_options": {"include_usage": True}})
+    assert [c["text"] for c in chunks[0]["choices"]] == [prompts[i // 2] for i in range(4)]
+    texts = ["", "", "", ""]
+    for ch in chunks[:-1]:
+        for c in ch["choices"]:
+            texts[c["index"]] += c["text"]
+    assert texts == want and chunks[-1]["usage"] == ref["usage"]
+    ids = tokenizer.encode("Start:")
+    r = client.post(url, json={"prompt": ids, "max_tokens": 6, "temperature": 0, "echo": True}).json()
+    assert r["choices"][0]["text"] == tokenizer.decode(ids) + ref["choices"][0]["text"]
+
+
 def test_script_logprobs_bytes_and_offsets_across_split_characters(script_server, client):
     """The scripted text's CJK and emoji come in tokens carrying parts of a character: chat logprobs' `bytes`
     join to the content, and completions' `text_offset` is where each token's text starts, streamed or not."""

@@ -184,6 +184,7 @@ class OpenAIHandlers:
             if batch * body.n > MAX_CHOICES:
                 raise RequestError(f"n × prompts is {batch * body.n}; at most {MAX_CHOICES} per call")
             prompts = await self._completion_prompts(body.prompt)
+            echoes = await self._echo_texts(body, prompts) if body.echo else None
             params = [body.sampling_params(body.max_tokens if body.max_tokens is not None else 16, body.logprobs, i)
                       for _ in prompts for i in range(body.n)]
         except TokenhaulError as err:
@@ -207,7 +208,8 @@ class OpenAIHandlers:
             for i, c in enumerate(acc):
                 out_tokens[i] = c.num_tokens
                 lp = self._completion_logprobs(c.logprobs, offsets, i) if want_lp else None
-                choices.append({"index": i, "text": c.text, "logprobs": lp, "finish_reason": c.finish_reason,
+                text = c.text if echoes is None else echoes[i // body.n] + c.text
+                choices.append({"index": i, "text": text, "logprobs": lp, "finish_reason": c.finish_reason,
                                 "stop_reason": c.stop_reason})
             return JSONResponse({"id": rid, "object": "text_completion", "created": created, "model": model,
                                  "choices": choices, "usage": usage()}, headers={REPLICA_HEADER: stream.replica})
@@ -233,7 +235,22 @@ class OpenAIHandlers:
             return [{"id": rid, "object": "text_completion", "created": created, "model": model,
                      "choices": [], "usage": usage()}]
 
-        return self._sse(stream, frames, tail)
+        head = None
+        if echoes is not None:  # each choice's prompt first, as its own chunk
+            head = [{"id": rid, "object": "text_completion", "created": created, "model": model,
+                     "choices": [{"index": i, "text": echoes[i // body.n], "logprobs": None, "finish_reason": None,
+                                  "stop_reason": None} for i in range(len(flat))]}]
+        return self._sse(stream, frames, tail, head)
+
+    async def _echo_texts(self, body: P.CompletionRequest, prompts: list[list[int]]) -> list[str]:
+        """Each prompt's text for echo: as sent, or its token ids decoded (off the event loop)."""
+        if isinstance(body.prompt, str):
+            return [body.prompt]
+        if isinstance(body.prompt[0], str):
+            return list(body.prompt)
+        decode = self.engine.tokenizer.decode
+        return await asyncio.to_thread(lambda: [decode(p, skip_special_tokens=body.skip_special_tokens)
+                                                for p in prompts])
 
     async def _completion_prompts(self, prompt: str | list) -> list[list[int]]:
         if isinstance(prompt, str):

@@ -105,8 +105,8 @@ class CompletionRequest(_SamplingFields):
 
     def check_unsupported(self) -> None:
         self.check_stream_options()
-        if self.echo:
-            raise RequestError("echo is not supported")
+        if self.echo and self.logprobs is not None:
+            raise RequestError("echo with logprobs is not supported (no prompt logprobs): drop one of them")
         if self.suffix:
             raise RequestError("suffix is not supported")
         if self.best_of is not None and self.best_of != self.n:
