@@ -38,18 +38,20 @@ class SamplingParams:
     logit_bias: dict[int, float] = field(default_factory=dict)  # token id → added to its logit, in [-100, 100]
 
     def __post_init__(self) -> None:
+        if self.stop is None:  # vLLM's None: no stop strings / stop tokens
+            self.stop = []
+        if self.stop_token_ids is None:
+            self.stop_token_ids = []
         if isinstance(self.stop, str):
             self.stop = [self.stop]
+        self._check_types()
         self.stop = [s for s in self.stop if s]
+        self.stop_token_ids = list(self.stop_token_ids)
         if self.top_k == -1:
             self.top_k = 0
         self.logit_bias = _checked_bias(self.logit_bias)
-        floats = (self.temperature, self.top_p, self.min_p, self.repetition_penalty, self.presence_penalty,
-                  self.frequency_penalty, self.length_penalty)
         checks = [
-            (all(math.isfinite(x) for x in floats), "sampling values must be finite numbers"),
-            (isinstance(self.max_tokens, int) and self.max_tokens > 0,
-             f"max_tokens must be a positive integer, got {self.max_tokens!r}"),
+            (self.max_tokens > 0, f"max_tokens must be a positive integer, got {self.max_tokens!r}"),
             (self.temperature >= 0, f"temperature must be >= 0, got {self.temperature}"),
             (1e-8 <= self.top_p <= 1, f"top_p must be in [1e-8, 1], got {self.top_p}"),  # fp32 keeps it > 0
             (self.top_k >= 0, f"top_k must be >= 0 (or -1 to disable), got {self.top_k}"),
@@ -77,6 +79,27 @@ class SamplingParams:
             if not ok:
                 raise RequestError(msg)
 
+    def _check_types(self) -> None:
+        """Values of the wrong type fail here, with one line, not later inside the engine's tensor code."""
+        floats = (self.temperature, self.top_p, self.min_p, self.repetition_penalty, self.presence_penalty,
+                  self.frequency_penalty, self.length_penalty)
+        checks = [
+            (all(_is_number(x) and math.isfinite(x) for x in floats), "sampling values must be finite numbers"),
+            (_is_int(self.max_tokens), f"max_tokens must be a positive integer, got {self.max_tokens!r}"),
+            (_is_int(self.top_k), f"top_k must be an integer (0 or -1 to disable), got {self.top_k!r}"),
+            (self.logprobs is None or _is_int(self.logprobs),
+             f"logprobs must be an integer in [0, 20], got {self.logprobs!r}"),
+            (self.seed is None or (_is_int(self.seed) and -2**63 <= self.seed < 2**64),
+             f"seed must be an integer in [-2**63, 2**64), got {self.seed!r}"),
+            (isinstance(self.stop, (list, tuple)) and all(isinstance(s, str) for s in self.stop),
+             f"stop must be a string or a list of strings, got {self.stop!r}"),
+            (isinstance(self.stop_token_ids, (list, tuple)) and all(_is_int(t) and t >= 0 for t in self.stop_token_ids),
+             f"stop_token_ids must be a list of token ids (integers >= 0), got {self.stop_token_ids!r}"),
+        ]
+        for ok, msg in checks:
+            if not ok:
+                raise RequestError(msg)
+
     @property
     def greedy(self) -> bool:
         return self.temperature < 1e-5  # as vLLM: dividing logits by less overflows fp32
@@ -92,6 +115,14 @@ class SamplingParams:
         if self.speculative != "off" and self.speculative not in speculative:
             raise RequestError(f"speculative={self.speculative!r} needs an engine started with a draft model "
                                f"(--draft-model)")
+
+
+def _is_int(x: object) -> bool:
+    return isinstance(x, int) and not isinstance(x, bool)
+
+
+def _is_number(x: object) -> bool:
+    return isinstance(x, (int, float)) and not isinstance(x, bool)
 
 
 def _checked_bias(bias: object) -> dict[int, float]:

@@ -132,11 +132,23 @@ def test_batch_rows_sampled_independently():
     ({"logit_bias": {-1: 1.0}}, "logit_bias"), ({"logit_bias": {"5": 1.0}}, "logit_bias"),
     ({"logit_bias": {5: "1"}}, "logit_bias"), ({"logit_bias": {True: 1.0}}, "logit_bias"),
     ({"logit_bias": [(5, 1.0)]}, "logit_bias"),
+    # the wrong types, refused here rather than crashing inside the sampler's or the scheduler's tensor code
+    ({"top_k": 2.5}, "top_k"), ({"top_k": True}, "top_k"), ({"top_k": None}, "top_k"), ({"logprobs": 2.5}, "logprobs"),
+    ({"logprobs": True}, "logprobs"), ({"seed": 2.5}, "seed"), ({"seed": "7"}, "seed"), ({"seed": 2**64}, "seed"),
+    ({"stop_token_ids": 5}, "stop_token_ids"), ({"stop_token_ids": [5.5]}, "stop_token_ids"),
+    ({"stop_token_ids": [-1]}, "stop_token_ids"), ({"stop": [3]}, "stop"), ({"max_tokens": True}, "max_tokens"),
+    ({"max_tokens": 2.0}, "max_tokens"), ({"temperature": None}, "finite"), ({"top_p": "0.9"}, "finite"),
 ])
 def test_bad_params_one_line_errors(kw, msg):
     with pytest.raises(RequestError, match=msg) as e:
         SamplingParams(**kw)
     assert "\n" not in str(e.value)
+
+
+def test_none_stop_and_stop_token_ids_mean_none():
+    """vLLM's SamplingParams takes None for stop and stop_token_ids: no stops (the scheduler iterates them)."""
+    p = SamplingParams(stop=None, stop_token_ids=None)
+    assert p.stop == [] and p.stop_token_ids == []
 
 
 def test_argmax_matches_torch_including_ties():
