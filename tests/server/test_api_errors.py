@@ -132,6 +132,19 @@ def test_good_request_after_bad_ones(script_server, client):
     assert r.status_code == 200, r.text
 
 
+def test_openai_nullable_fields_null_means_default(script_server, client):
+    """OpenAI's schema lets n, stream, echo and (chat) logprobs be null, and SDKs send null for unset fields: the
+    default, not a 400."""
+    url = script_server[0]
+    nulls = {"n": None, "stream": None, "logprobs": None}
+    r = client.post(url + CMPL, json={"prompt": "Hello", "max_tokens": 2, "echo": None} | nulls)
+    assert r.status_code == 200, r.text
+    assert len(r.json()["choices"]) == 1 and r.json()["choices"][0]["logprobs"] is None
+    r = client.post(url + CHAT, json={"messages": USER, "max_tokens": 2} | nulls)
+    assert r.status_code == 200, r.text
+    assert r.json()["object"] == "chat.completion" and r.json()["choices"][0]["logprobs"] is None
+
+
 def test_queue_full_is_429_with_reason(tokenizer):
     engine, model = script_engine(tokenizer, max_waiting=2, max_num_seqs=1)
     model.delay = 0.05

@@ -20,6 +20,7 @@ MAX_STOP_TOKEN_IDS = 256
 MAX_MESSAGES = 1024  # chat messages per request
 MAX_TOP_LOGPROBS = 20  # OpenAI's bound on chat's top_logprobs
 StopText = Annotated[str, Field(max_length=MAX_STOP_CHARS)]
+NULL_IS_DEFAULT = ("n", "stream", "echo", "logprobs")  # OpenAI's nullable fields typed here without None
 
 
 class _Body(BaseModel):
@@ -59,6 +60,14 @@ class _SamplingFields(_Body):
     num_speculative_tokens: int | None = None
     logit_bias: dict[str, float] | None = Field(
         None, description="token id (a string, as OpenAI sends it) → bias in [-100, 100] added to its logit")
+
+    @model_validator(mode="before")
+    @classmethod
+    def _null_is_default(cls, data: Any) -> Any:
+        """OpenAI's null for n, stream, echo or logprobs: the default, as if the field were left out."""
+        if isinstance(data, dict) and any(data.get(k, 0) is None for k in NULL_IS_DEFAULT):
+            return {k: v for k, v in data.items() if v is not None or k not in NULL_IS_DEFAULT}
+        return data
 
     def check_stream_options(self) -> None:
         """stream_options only with stream (as OpenAI and vLLM): without it no usage chunk could come."""
