@@ -36,6 +36,7 @@ class SamplingParams:
     early_stopping: bool = False  # True: stop once beam_width beams have finished
     n: int = 1  # beams returned (best first, with scores); > 1 only with use_beam_search
     logit_bias: dict[int, float] = field(default_factory=dict)  # token id → added to its logit, in [-100, 100]
+    min_tokens: int = 0  # EOS and stop_token_ids cannot be sampled before this many output tokens (vLLM's)
 
     def __post_init__(self) -> None:
         if self.stop is None:  # vLLM's None: no stop strings / stop tokens
@@ -52,6 +53,8 @@ class SamplingParams:
         self.logit_bias = _checked_bias(self.logit_bias)
         checks = [
             (self.max_tokens > 0, f"max_tokens must be a positive integer, got {self.max_tokens!r}"),
+            (0 <= self.min_tokens <= self.max_tokens,
+             f"min_tokens must be in [0, max_tokens={self.max_tokens}], got {self.min_tokens}"),
             (self.temperature >= 0, f"temperature must be >= 0, got {self.temperature}"),
             (1e-8 <= self.top_p <= 1, f"top_p must be in [1e-8, 1], got {self.top_p}"),  # fp32 keeps it > 0
             (self.top_k >= 0, f"top_k must be >= 0 (or -1 to disable), got {self.top_k}"),
@@ -72,8 +75,8 @@ class SamplingParams:
              f"n must be 1, or in [1, beam_width] with use_beam_search, got {self.n!r}"),
             (not self.use_beam_search or (self.speculative == "off" and not self.adjusts_logits
                                           and self.logprobs is None and not self.stop),
-             "use_beam_search does not combine with speculative, penalties, logit_bias, logprobs (beams carry "
-             "scores) or stop strings (beams end at stop_token_ids and EOS)"),
+             "use_beam_search does not combine with speculative, penalties, logit_bias, min_tokens, logprobs "
+             "(beams carry scores) or stop strings (beams end at stop_token_ids and EOS)"),
         ]
         for ok, msg in checks:
             if not ok:
@@ -86,6 +89,7 @@ class SamplingParams:
         checks = [
             (all(_is_number(x) and math.isfinite(x) for x in floats), "sampling values must be finite numbers"),
             (_is_int(self.max_tokens), f"max_tokens must be a positive integer, got {self.max_tokens!r}"),
+            (_is_int(self.min_tokens), f"min_tokens must be an integer in [0, max_tokens], got {self.min_tokens!r}"),
             (_is_int(self.top_k), f"top_k must be an integer (0 or -1 to disable), got {self.top_k!r}"),
             (self.logprobs is None or _is_int(self.logprobs),
              f"logprobs must be an integer in [0, 20], got {self.logprobs!r}"),
@@ -106,8 +110,8 @@ class SamplingParams:
 
     @property
     def adjusts_logits(self) -> bool:
-        """Penalties or a logit bias change the logits before sampling (greedy too: no fast argmax)."""
-        return (self.repetition_penalty != 1.0 or self.presence_penalty != 0.0
+        """Penalties, a logit bias or min_tokens change the logits before sampling (greedy too: no fast argmax)."""
+        return (self.min_tokens > 0 or self.repetition_penalty != 1.0 or self.presence_penalty != 0.0
                 or self.frequency_penalty != 0.0 or bool(self.logit_bias))
 
     def check_served(self, speculative: Collection[str]) -> None:

@@ -49,12 +49,19 @@ def _index(rows: list[list[int]], device: torch.device) -> tuple[torch.Tensor, t
 
 
 def adjust_logits(logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
-    """Logit bias, then the penalties (vLLM v1's order): what every sampled or greedy row sees before top-k/p and
-    temperature. Returns new logits [R, V] (the input is left unchanged; logprobs are the input's)."""
+    """min_tokens' mask (EOS and stop_token_ids to -inf), logit bias, then the penalties (vLLM v1's order): what
+    every sampled or greedy row sees before top-k/p and temperature. Returns new logits [R, V] (the input is left
+    unchanged; logprobs are the input's)."""
     ps = [r.params for r in batch.reqs]
     if not any(p.adjusts_logits for p in ps):
         return logits
     dev = logits.device
+    V = logits.shape[-1]
+    banned = [[t for t in (*r.eos_token_ids, *p.stop_token_ids) if t < V]
+              if len(r.output_token_ids) + len(pre) < p.min_tokens else []
+              for r, p, pre in zip(batch.reqs, ps, batch.prefixes)]  # a row's output so far: tokens + its drafts
+    if any(banned):
+        logits = logits.index_put(_index(banned, dev), torch.tensor(float("-inf"), dtype=logits.dtype, device=dev))
     if any(p.logit_bias for p in ps):
         r_idx, t_idx = _index([list(p.logit_bias) for p in ps], dev)
         bias = torch.tensor([b for p in ps for b in p.logit_bias.values()], dtype=logits.dtype, device=dev)
