@@ -46,6 +46,7 @@ BAD = [
     (CMPL, {"prompt": "x", "num_speculative_tokens": 99}, 400, None, None),
     (CMPL, {"prompt": "x", "speculative": "draft"}, 400, None, None),  # no draft model: refused at admission
     (CMPL, {"prompt": LONG}, 400, "prompt", "context_length_exceeded"),
+    (CMPL, {"prompt": "x", "max_tokens": 256}, 400, "prompt", "context_length_exceeded"),  # 1 + 256 > 256
     (CMPL, {"prompt": [10**9]}, 400, None, None),
     (CMPL, {"prompt": [-3, 5]}, 400, None, None),
     (CMPL, {"prompt": ""}, 400, None, None),
@@ -74,6 +75,7 @@ BAD = [
     (CHAT, {"messages": USER, "logit_bias": {"49152": 1}}, 400, "logit_bias", None),  # SmolLM2: 49152 tokens
     (CHAT, {"messages": USER, "max_completion_tokens": -5}, 400, "max_tokens", None),
     (CHAT, {"messages": [{"role": "user", "content": LONG}]}, 400, "messages", "context_length_exceeded"),
+    (CHAT, {"messages": USER, "max_completion_tokens": 250}, 400, "messages", "context_length_exceeded"),
     (CHAT, {"model": "other", "messages": USER}, 404, "model", "model_not_found"),
 ]
 
@@ -127,6 +129,8 @@ def test_good_request_after_bad_ones(script_server, client):
     r = client.post(url + CMPL, json={"prompt": "Hello", "max_tokens": 5})
     assert r.status_code == 200
     assert r.json()["usage"]["completion_tokens"] == 5
+    r = client.post(url + CMPL, json={"prompt": "x", "max_tokens": 255, "ignore_eos": True})  # 1 + 255: fits
+    assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 255, r.text
     r = client.post(url + CHAT, json={"messages": USER, "max_tokens": 3, "response_format": {"type": "text"},
                                       "tool_choice": "none", "tools": []})
     assert r.status_code == 200, r.text

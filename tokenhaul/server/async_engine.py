@@ -288,7 +288,11 @@ class AsyncEngine:
         if n >= lim.max_model_len:
             raise PromptTooLong(f"prompt has {n} tokens, but the model's context holds {lim.max_model_len} "
                                 f"(prompt + at least 1 new token)")
-        total = min(n + params.max_tokens, lim.max_model_len)
+        total = n + params.max_tokens
+        if total > lim.max_model_len:  # as OpenAI and vLLM: refused, not cut short at the context's end
+            raise PromptTooLong(f"prompt has {n} tokens and max_tokens is {params.max_tokens}: {total} tokens, but "
+                                f"the model's context holds {lim.max_model_len}; lower max_tokens to at most "
+                                f"{lim.max_model_len - n}")
         need = -(-total // lim.block_size)
         if need > lim.num_blocks:
             raise CapacityError(f"request needs {need} KV blocks ({total} tokens) but the pool has "
