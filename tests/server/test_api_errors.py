@@ -71,6 +71,8 @@ BAD = [
     (CHAT, {"messages": USER, "response_format": {"type": "json_object"}}, 400, None, None),  # not ignored
     (CHAT, {"messages": USER, "tools": [{"type": "function", "function": {"name": "f"}}]}, 400, None, None),
     (CHAT, {"messages": USER, "tool_choice": "auto"}, 400, None, None),
+    (CHAT, {"messages": USER, "functions": [{"name": "f", "parameters": {}}]}, 400, "functions", None),  # legacy tools
+    (CHAT, {"messages": USER, "function_call": {"name": "f"}}, 400, "function_call", None),
     (CHAT, {"messages": USER, "logit_bias": {"5": -101}}, 400, "logit_bias", None),
     (CHAT, {"messages": USER, "logit_bias": {"49152": 1}}, 400, "logit_bias", None),  # SmolLM2: 49152 tokens
     (CHAT, {"messages": USER, "max_completion_tokens": -5}, 400, "max_tokens", None),
@@ -132,7 +134,7 @@ def test_good_request_after_bad_ones(script_server, client):
     r = client.post(url + CMPL, json={"prompt": "x", "max_tokens": 255, "ignore_eos": True})  # 1 + 255: fits
     assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 255, r.text
     r = client.post(url + CHAT, json={"messages": USER, "max_tokens": 3, "response_format": {"type": "text"},
-                                      "tool_choice": "none", "tools": []})
+                                      "tool_choice": "none", "tools": [], "functions": [], "function_call": "none"})
     assert r.status_code == 200, r.text
 
 

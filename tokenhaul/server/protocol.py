@@ -160,6 +160,8 @@ class ChatCompletionRequest(_SamplingFields):
     response_format: dict[str, Any] | None = None
     tools: list[Any] | None = None
     tool_choice: str | dict[str, Any] | None = None
+    functions: list[Any] | None = None  # OpenAI's deprecated form of tools
+    function_call: str | dict[str, Any] | None = None
 
     def check_unsupported(self) -> None:
         """Refuse what would otherwise be ignored silently (a client would believe JSON mode or tools were on), and
@@ -172,6 +174,10 @@ class ChatCompletionRequest(_SamplingFields):
             raise RequestError("tools are not supported")
         if self.tool_choice not in (None, "none"):
             raise RequestError("tool_choice is not supported")
+        if self.functions:
+            raise RequestError("functions are not supported")
+        if self.function_call not in (None, "none"):
+            raise RequestError("function_call is not supported")
         if self.top_logprobs is not None and not 0 <= self.top_logprobs <= MAX_TOP_LOGPROBS:
             raise RequestError(f"top_logprobs must be in [0, {MAX_TOP_LOGPROBS}], got {self.top_logprobs}")
 
