@@ -1,10 +1,12 @@
 """The accept rule of speculative decoding: which of k draft tokens the target keeps.
 
 Greedy: keep drafts while each equals the target's argmax, then add the target's own next token
-(lossless: the output is plain greedy's). Sampled: exact rejection sampling (Leviathan et al. 2023):
-keep draft d with probability min(1, p(d) / q(d)); at the first rejection draw from
-norm(max(p - q, 0)); after k acceptances draw a bonus token from p. q is the draft's distribution,
-or one-hot at d for deterministic drafts (prompt lookup, Jacobi). The output is distributed as p."""
+(lossless: the output is plain greedy's). Sampled, a draft model's drafts: exact rejection sampling
+(Leviathan et al. 2023): keep draft d with probability min(1, p(d) / q(d)), q the draft's distribution;
+at the first rejection draw from norm(max(p - q, 0)); after k acceptances draw a bonus token from p.
+Sampled, deterministic drafts (prompt lookup, Jacobi; q one-hot): the same rule, taken in the coupled form
+that draws each row's token as plain sampling would and keeps drafts while they match (the same acceptance
+p(d), and plain sampling's very tokens). Either way the output is distributed as p."""
 
 from __future__ import annotations
 
@@ -25,16 +27,59 @@ def accept_sampled(probs: torch.Tensor, starts: list[int], drafts: list[list[int
                    draft_probs: list[torch.Tensor | None], gens: list[torch.Generator | None]) -> list[list[int]]:
     """probs: [R, V] target distributions; request i owns rows starts[i] .. starts[i] + len(drafts[i]).
     draft_probs[i]: [len(drafts[i]), V] or None (one-hot). Returns the kept tokens per request."""
+    kept: list[list[int]] = [[] for _ in drafts]
+    one_hot = [i for i, (d, q) in enumerate(zip(drafts, draft_probs)) if q is None or not d]
+    modelled = [i for i, (d, q) in enumerate(zip(drafts, draft_probs)) if q is not None and d]
+    if one_hot:
+        got = _match_draws(probs, [starts[i] for i in one_hot], [drafts[i] for i in one_hot],
+                           [gens[i] for i in one_hot])
+        for i, toks in zip(one_hot, got):
+            kept[i] = toks
+    if modelled:
+        got = _reject(probs, [starts[i] for i in modelled], [drafts[i] for i in modelled],
+                      [draft_probs[i] for i in modelled], [gens[i] for i in modelled])
+        for i, toks in zip(modelled, got):
+            kept[i] = toks
+    return kept
+
+
+def _match_draws(probs: torch.Tensor, starts: list[int], drafts: list[list[int]],
+                 gens: list[torch.Generator | None]) -> list[list[int]]:
+    """Deterministic drafts (one-hot q): draw each row's token as plain sampling does (inverse CDF, one uniform
+    per token from the request's generator) and keep the drafts while the draws equal them. Draft d is kept
+    with probability p(d) and a mismatch is distributed as p without d, as in rejection sampling; but the
+    tokens are the very ones plain sampling draws, so a seeded request's output does not depend on whether it
+    drafted (speculation pauses, or stops above the engine's speculative_max_batch)."""
+    rows: list[int] = []
+    us, states = [], []
+    for s, d, g in zip(starts, drafts, gens):
+        rows += range(s, s + len(d) + 1)
+        states.append(g.get_state() if g is not None and d else None)
+        us.append(torch.rand(len(d) + 1, generator=g) if g is not None else torch.rand(len(d) + 1))
+    tokens = draw(probs[rows], torch.cat(us)).tolist()
+    kept, at = [], 0
+    for d, g, state in zip(drafts, gens, states):
+        row = tokens[at:at + len(d) + 1]
+        n = 0
+        while n < len(d) and row[n] == d[n]:
+            n += 1
+        kept.append(row[:n + 1])
+        if state is not None and n < len(d):  # consume n + 1 uniforms, as plain sampling of n + 1 tokens
+            g.set_state(state)
+            torch.rand(n + 1, generator=g)
+        at += len(d) + 1
+    return kept
+
+
+def _reject(probs: torch.Tensor, starts: list[int], drafts: list[list[int]], draft_probs: list[torch.Tensor],
+            gens: list[torch.Generator | None]) -> list[list[int]]:
+    """A draft model's drafts: keep d with probability min(1, p(d) / q(d)); at the first rejection draw from
+    norm(max(p - q, 0)); after k acceptances a bonus token from p."""
     dev = probs.device
     rows = [s + j for s, d in zip(starts, drafts) for j in range(len(d))]
     toks = [t for d in drafts for t in d]
     p_d = probs[torch.tensor(rows, dtype=torch.long, device=dev), torch.tensor(toks, dtype=torch.long, device=dev)]
-    q_d = torch.ones_like(p_d)
-    at = 0
-    for d, q in zip(drafts, draft_probs):
-        if q is not None and d:
-            q_d[at:at + len(d)] = q[torch.arange(len(d)), torch.tensor(d)].to(dev)
-        at += len(d)
+    q_d = torch.cat([q[torch.arange(len(d)), torch.tensor(d)].to(dev) for d, q in zip(drafts, draft_probs)])
     ratio = (p_d / q_d).tolist()
     kept: list[list[int]] = []
     final_rows: list[int] = []
@@ -46,10 +91,7 @@ def accept_sampled(probs: torch.Tensor, starts: list[int], drafts: list[list[int
         while n < len(d) and u[n] < ratio[at + n]:
             n += 1
         if n < len(d):  # rejected d[n]: draw from max(p - q, 0)
-            if q is None:
-                residual[i, d[n]] = probs[starts[i] + n, d[n]]
-            else:
-                residual[i] = q[n].to(dev)
+            residual[i] = q[n].to(dev)
         kept.append(d[:n])
         final_rows.append(starts[i] + n)
         at += len(d)
