@@ -114,6 +114,23 @@ def test_script_echo_puts_each_prompt_before_its_choices(script_server, client, 
     assert r["choices"][0]["text"] == tokenizer.decode(ids) + ref["choices"][0]["text"]
 
 
+def test_script_chat_prompt_continue_final_message_and_no_generation_prompt(script_server, client, tokenizer):
+    """vLLM's chat extras: add_generation_prompt false renders no assistant header; continue_final_message continues
+    the last message (an assistant prefill: no end-of-turn after it); both true is a 400 naming the field."""
+    url = script_server[0] + "/v1/chat/completions"
+    msgs = [{"role": "user", "content": "Name a prime."}, {"role": "assistant", "content": "Seven, or"}]
+    no_gen = {"add_generation_prompt": False}
+    for extra in ({}, no_gen, no_gen | {"continue_final_message": True}):
+        r = client.post(url, json={"messages": msgs, "max_tokens": 2} | extra)
+        assert r.status_code == 200, r.text
+        gen, cont = extra.get("add_generation_prompt", True), extra.get("continue_final_message", False)
+        text = tokenizer.apply_chat_template(msgs, add_generation_prompt=gen, continue_final_message=cont)
+        assert r.json()["usage"]["prompt_tokens"] == len(tokenizer.encode(text, add_special_tokens=False)), extra
+        assert text.endswith("Seven, or") == cont and text.endswith("assistant\n") == gen
+    r = client.post(url, json={"messages": msgs, "max_tokens": 2, "continue_final_message": True})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "continue_final_message", r.text
+
+
 def test_script_logprobs_bytes_and_offsets_across_split_characters(script_server, client):
     """The scripted text's CJK and emoji come in tokens carrying parts of a character: chat logprobs' `bytes`
     join to the content, and completions' `text_offset` is where each token's text starts, streamed or not."""

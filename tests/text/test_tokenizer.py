@@ -48,6 +48,11 @@ def test_tiny_chat_template(tiny_factory) -> None:
     assert bare == '<|im_start|><user>"x"<|im_end|>\n'
     with pytest.raises(RequestError, match="no tools"):
         tok.apply_chat_template([{"role": "tool", "content": "x"}])
+    prefill = [{"role": "user", "content": "x"}, {"role": "assistant", "content": "The answer is"}]
+    cont = tok.apply_chat_template(prefill, add_generation_prompt=False, continue_final_message=True)
+    assert cont == '<|im_start|><user>"x"<|im_end|>\n<assistant>"The answer is'  # the content's end, no end-of-turn
+    with pytest.raises(RequestError, match="continue_final_message"):
+        tok.apply_chat_template(prefill, continue_final_message=True)  # and add_generation_prompt (the default)
 
 
 def test_tiny_sandboxed_template(tiny_factory) -> None:
@@ -125,6 +130,11 @@ def test_chat_template_matches_transformers(alias: str, real_toks, hf_tok) -> No
             theirs = hf.apply_chat_template(conv, add_generation_prompt=gen, tokenize=False)
             assert ours == theirs
     assert tok.apply_chat_template(CONVERSATION).endswith("<|im_start|>assistant\n")
+    for prefill in ("Two, or", "Seven  \n"):  # the template keeps the spacing; strips it (transformers: cut before)
+        conv = [*CONVERSATION, {"role": "assistant", "content": prefill}]
+        ours = tok.apply_chat_template(conv, add_generation_prompt=False, continue_final_message=True)
+        theirs = hf.apply_chat_template(conv, add_generation_prompt=False, continue_final_message=True, tokenize=False)
+        assert ours == theirs and ours.rstrip().endswith(prefill.strip())
 
 
 @pytest.mark.real_model

@@ -161,6 +161,9 @@ class ChatCompletionRequest(_SamplingFields):
     tools: list[Any] | None = None
     tool_choice: str | dict[str, Any] | None = None
     functions: list[Any] | None = None  # OpenAI's deprecated form of tools
+    # beyond OpenAI (vLLM's names): continue_final_message continues the last message (an assistant prefill)
+    add_generation_prompt: bool = True
+    continue_final_message: bool = False
     function_call: str | dict[str, Any] | None = None
 
     def check_unsupported(self) -> None:

@@ -127,18 +127,28 @@ class Tokenizer:
         return piece.replace("\u2581", " ").encode()  # SentencePiece's word mark is a space
 
     def apply_chat_template(
-        self, messages: list[dict], add_generation_prompt: bool = True, **variables: Any
+        self, messages: list[dict], add_generation_prompt: bool = True, continue_final_message: bool = False,
+        **variables: Any
     ) -> str:
-        """Render messages with the model's template (sandboxed jinja2), as transformers does."""
+        """Render messages with the model's template (sandboxed jinja2), as transformers does; with
+        continue_final_message the text ends where the last message's content does (no end-of-turn), so the model
+        continues that message (transformers' tag method: mark the content's end, render, cut there)."""
         if self.chat_template is None:
             raise RequestError(f"model {self.name} has no chat template")
+        if continue_final_message:
+            if add_generation_prompt:
+                raise RequestError("continue_final_message and add_generation_prompt cannot both be true")
+            if not messages:
+                raise RequestError("continue_final_message needs a final message to continue")
+            last = messages[-1]
+            messages = [*messages[:-1], {**last, "content": (last.get("content") or "") + _CONTINUE_TAG}]
         if self._template is None:
             try:
                 self._template = _jinja_env().from_string(self.chat_template)
             except jinja2.TemplateError as e:
                 raise ModelError(f"model {self.name}: chat template does not compile: {e}") from None
         try:
-            return self._template.render(
+            text = self._template.render(
                 messages=messages,
                 add_generation_prompt=add_generation_prompt,
                 bos_token=self.token_text(self.bos_token_id),
@@ -147,6 +157,16 @@ class Tokenizer:
             )
         except jinja2.TemplateError as e:
             raise RequestError(f"chat template of model {self.name}: {e}") from None
+        if not continue_final_message:
+            return text
+        at = text.rfind(_CONTINUE_TAG.strip())
+        if at < 0:
+            raise RequestError(f"continue_final_message: the chat template of model {self.name} does not render the "
+                               f"final message's content")
+        return text[:at] if text.startswith(_CONTINUE_TAG, at) else text[:at].rstrip()  # the template may trim
+
+
+_CONTINUE_TAG = "CONTINUE_FINAL_MESSAGE_TAG "  # transformers' mark of where the final message's content ends
 
 
 def _byte_of_char() -> dict[str, int]:
