@@ -68,6 +68,12 @@ BAD = [
     (CHAT, {"messages": USER, "logprobs": True, "top_logprobs": 21}, 400, "top_logprobs", None),
     (CHAT, {"messages": USER, "logprobs": True, "top_logprobs": -1}, 400, "top_logprobs", None),
     (CHAT, {"messages": USER, "stream": False, "stream_options": {}}, 400, "stream_options", None),
+    (CHAT, {"messages": USER, "min_tokens": 5}, 400, "min_tokens", None),  # vLLM extras not served: not ignored
+    (CHAT, {"messages": USER, "guided_choice": ["a", "b"]}, 400, "guided_choice", None),
+    (CHAT, {"messages": USER, "structured_outputs": {"regex": "[ab]"}}, 400, "structured_outputs", None),
+    (CMPL, {"prompt": "x", "guided_json": {"type": "object"}}, 400, "guided_json", None),
+    (CMPL, {"prompt": "x", "prompt_logprobs": 1}, 400, "prompt_logprobs", None),
+    (CMPL, {"prompt": "x", "truncate_prompt_tokens": 10}, 400, "truncate_prompt_tokens", None),
     (CHAT, {"messages": USER, "response_format": {"type": "json_object"}}, 400, None, None),  # not ignored
     (CHAT, {"messages": USER, "tools": [{"type": "function", "function": {"name": "f"}}]}, 400, None, None),
     (CHAT, {"messages": USER, "tool_choice": "auto"}, 400, None, None),
@@ -134,7 +140,8 @@ def test_good_request_after_bad_ones(script_server, client):
     r = client.post(url + CMPL, json={"prompt": "x", "max_tokens": 255, "ignore_eos": True})  # 1 + 255: fits
     assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 255, r.text
     r = client.post(url + CHAT, json={"messages": USER, "max_tokens": 3, "response_format": {"type": "text"},
-                                      "tool_choice": "none", "tools": [], "functions": [], "function_call": "none"})
+                                      "tool_choice": "none", "tools": [], "functions": [], "function_call": "none",
+                                      "min_tokens": 0, "guided_json": None, "bad_words": [], "some_other_field": 1})
     assert r.status_code == 200, r.text
 
 

@@ -32,7 +32,7 @@ from tokenhaul.server.async_engine import (
 
 MAX_CHOICES = 64  # prompts × n per call
 REPLICA_HEADER = "x-tokenhaul-replica"  # which engine replica served the call (as routed at admission)
-_FIELDS = set(P.ChatCompletionRequest.model_fields) | set(P.CompletionRequest.model_fields)
+_FIELDS = set(P.ChatCompletionRequest.model_fields) | set(P.CompletionRequest.model_fields) | set(P.REFUSED_EXTRAS)
 
 
 class APIError(Exception):

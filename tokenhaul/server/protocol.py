@@ -21,6 +21,9 @@ MAX_MESSAGES = 1024  # chat messages per request
 MAX_TOP_LOGPROBS = 20  # OpenAI's bound on chat's top_logprobs
 StopText = Annotated[str, Field(max_length=MAX_STOP_CHARS)]
 NULL_IS_DEFAULT = ("n", "stream", "echo", "logprobs")  # OpenAI's nullable fields typed here without None
+# vLLM's request extras that change the output, which tokenhaul does not serve: refused when set, not ignored
+REFUSED_EXTRAS = ("min_tokens", "guided_json", "guided_regex", "guided_choice", "guided_grammar",
+                  "structured_outputs", "prompt_logprobs", "allowed_token_ids", "bad_words", "truncate_prompt_tokens")
 
 
 class _Body(BaseModel):
@@ -32,6 +35,7 @@ class StreamOptions(_Body):
 
 
 class _SamplingFields(_Body):
+    model_config = ConfigDict(strict=True, extra="allow")  # unknown fields kept (model_extra), to refuse some
     model: str | None = Field(None, description="the served model's name (default: the served model)")
     max_tokens: int | None = None
     temperature: float | None = None
@@ -69,10 +73,14 @@ class _SamplingFields(_Body):
             return {k: v for k, v in data.items() if v is not None or k not in NULL_IS_DEFAULT}
         return data
 
-    def check_stream_options(self) -> None:
-        """stream_options only with stream (as OpenAI and vLLM): without it no usage chunk could come."""
+    def check_unsupported(self) -> None:
+        """stream_options only with stream (as OpenAI and vLLM: without it no usage chunk could come); no vLLM
+        extra that tokenhaul would otherwise ignore (a client would believe min_tokens or guided decoding held)."""
         if self.stream_options is not None and not self.stream:
             raise RequestError("stream_options is only allowed when stream is true")
+        for name, value in (self.model_extra or {}).items():
+            if name in REFUSED_EXTRAS and value not in (None, False, 0, "", [], {}):
+                raise RequestError(f"{name} is not supported")
 
     def sampling_params(self, max_tokens: int, logprobs: int | None, index: int = 0) -> SamplingParams:
         """SamplingParams of choice `index` (seeds differ per choice: seed + index)."""
@@ -113,7 +121,7 @@ class CompletionRequest(_SamplingFields):
     best_of: int | None = None
 
     def check_unsupported(self) -> None:
-        self.check_stream_options()
+        super().check_unsupported()
         if self.echo and self.logprobs is not None:
             raise RequestError("echo with logprobs is not supported (no prompt logprobs): drop one of them")
         if self.suffix:
@@ -169,7 +177,7 @@ class ChatCompletionRequest(_SamplingFields):
     def check_unsupported(self) -> None:
         """Refuse what would otherwise be ignored silently (a client would believe JSON mode or tools were on), and
         top_logprobs out of range by its own name (SamplingParams would name the logprobs it becomes)."""
-        self.check_stream_options()
+        super().check_unsupported()
         kind = (self.response_format or {}).get("type", "text")
         if kind != "text":
             raise RequestError(f"response_format {kind!r} is not supported (no constrained decoding): use 'text'")
