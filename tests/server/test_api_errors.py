@@ -69,6 +69,7 @@ BAD = [
     (CHAT, {"messages": USER, "logprobs": True, "top_logprobs": -1}, 400, "top_logprobs", None),
     (CHAT, {"messages": USER, "stream": False, "stream_options": {}}, 400, "stream_options", None),
     (CHAT, {"messages": USER, "min_tokens": 5}, 400, "min_tokens", None),  # vLLM extras not served: not ignored
+    (CHAT, {"messages": USER, "echo": True}, 400, "echo", None),
     (CHAT, {"messages": USER, "guided_choice": ["a", "b"]}, 400, "guided_choice", None),
     (CHAT, {"messages": USER, "structured_outputs": {"regex": "[ab]"}}, 400, "structured_outputs", None),
     (CMPL, {"prompt": "x", "guided_json": {"type": "object"}}, 400, "guided_json", None),

@@ -23,7 +23,8 @@ StopText = Annotated[str, Field(max_length=MAX_STOP_CHARS)]
 NULL_IS_DEFAULT = ("n", "stream", "echo", "logprobs")  # OpenAI's nullable fields typed here without None
 # vLLM's request extras that change the output, which tokenhaul does not serve: refused when set, not ignored
 REFUSED_EXTRAS = ("min_tokens", "guided_json", "guided_regex", "guided_choice", "guided_grammar",
-                  "structured_outputs", "prompt_logprobs", "allowed_token_ids", "bad_words", "truncate_prompt_tokens")
+                  "structured_outputs", "prompt_logprobs", "allowed_token_ids", "bad_words", "truncate_prompt_tokens",
+                  "echo")  # echo: chat's only (a completions field)
 
 
 class _Body(BaseModel):
