@@ -68,7 +68,8 @@ BAD = [
     (CHAT, {"messages": USER, "logprobs": True, "top_logprobs": 21}, 400, "top_logprobs", None),
     (CHAT, {"messages": USER, "logprobs": True, "top_logprobs": -1}, 400, "top_logprobs", None),
     (CHAT, {"messages": USER, "stream": False, "stream_options": {}}, 400, "stream_options", None),
-    (CHAT, {"messages": USER, "min_tokens": 5}, 400, "min_tokens", None),  # vLLM extras not served: not ignored
+    (CHAT, {"messages": USER, "max_tokens": 4, "min_tokens": 5}, 400, "min_tokens", None),
+    (CHAT, {"messages": USER, "prompt_logprobs": 1}, 400, "prompt_logprobs", None),  # vLLM extras not served
     (CHAT, {"messages": USER, "echo": True}, 400, "echo", None),
     (CHAT, {"messages": USER, "guided_choice": ["a", "b"]}, 400, "guided_choice", None),
     (CHAT, {"messages": USER, "structured_outputs": {"regex": "[ab]"}}, 400, "structured_outputs", None),
@@ -142,7 +143,7 @@ def test_good_request_after_bad_ones(script_server, client):
     assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 255, r.text
     r = client.post(url + CHAT, json={"messages": USER, "max_tokens": 3, "response_format": {"type": "text"},
                                       "tool_choice": "none", "tools": [], "functions": [], "function_call": "none",
-                                      "min_tokens": 0, "guided_json": None, "bad_words": [], "some_other_field": 1})
+                                      "guided_json": None, "bad_words": [], "some_other_field": 1})
     assert r.status_code == 200, r.text
 
 

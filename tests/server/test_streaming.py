@@ -67,6 +67,21 @@ def test_script_stream_equals_plain_and_stops_never_leak(script_server, client):
         assert pf == sf == "stop"
 
 
+def test_script_min_tokens_defers_stop_strings(script_server, client):
+    """min_tokens (vLLM's): a stop string ending within the first min_tokens tokens' text does not stop the request;
+    the first one ending after does, streamed or not."""
+    url = script_server[0] + CMPL
+    base = {"prompt": "Start:", "max_tokens": 48, "temperature": 0}
+    r = client.post(url, json=base | {"logprobs": 0}).json()["choices"][0]
+    ref, offsets = r["text"], r["logprobs"]["text_offset"]
+    first = ref.find("o")
+    m = next(k for k in range(len(offsets)) if offsets[k] > first)  # the first "o" is in the first m tokens' text
+    want = ref[:ref.find("o", offsets[m])]
+    assert len(want) > first
+    assert both(client, url, base | {"stop": "o", "min_tokens": m}) == ((want, "stop"), (want, "stop"))
+    assert both(client, url, base | {"stop": "o"}) == ((ref[:first], "stop"), (ref[:first], "stop"))
+
+
 def test_script_several_stops_earliest_wins(script_server, client):
     url = script_server[0] + CMPL
     base = {"prompt": "Start:", "max_tokens": 48, "temperature": 0}

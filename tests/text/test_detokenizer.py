@@ -114,6 +114,17 @@ def test_stop_across_tokens(tiny: Tokenizer) -> None:
     assert det.push(tiny.encode(" more")) == "" and det.flush() == ""
 
 
+def test_min_tokens_counts_only_stops_ending_past_them(tiny: Tokenizer) -> None:
+    """vLLM's min_tokens: a stop string ending in the text of the first min_tokens tokens is no stop; one ending
+    later is, even where it starts earlier."""
+    ids = tiny.encode("hello world")  # h e l l o ' world'
+    for min_tokens, stop, want in [(0, "l", "he"), (3, "l", "hel"), (5, "l", "hello wor"), (5, "lo w", "hel"),
+                                   (6, "l", "hello world")]:
+        det = Detokenizer(tiny, [], stop=[stop], min_tokens=min_tokens)
+        assert "".join(run(det, ids)) == det.text == want, (min_tokens, stop)
+        assert det.stopped == (want != "hello world")
+
+
 def test_include_stop_and_earliest_end(tiny: Tokenizer) -> None:
     det = Detokenizer(tiny, [], stop=["world", "o w"], include_stop_str_in_output=True)
     run(det, tiny.encode("hello world"))

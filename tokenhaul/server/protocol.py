@@ -22,7 +22,7 @@ MAX_TOP_LOGPROBS = 20  # OpenAI's bound on chat's top_logprobs
 StopText = Annotated[str, Field(max_length=MAX_STOP_CHARS)]
 NULL_IS_DEFAULT = ("n", "stream", "echo", "logprobs")  # OpenAI's nullable fields typed here without None
 # vLLM's request extras that change the output, which tokenhaul does not serve: refused when set, not ignored
-REFUSED_EXTRAS = ("min_tokens", "guided_json", "guided_regex", "guided_choice", "guided_grammar",
+REFUSED_EXTRAS = ("guided_json", "guided_regex", "guided_choice", "guided_grammar",
                   "structured_outputs", "prompt_logprobs", "allowed_token_ids", "bad_words", "truncate_prompt_tokens",
                   "echo")  # echo: chat's only (a completions field)
 
@@ -55,6 +55,7 @@ class _SamplingFields(_Body):
     min_p: float | None = None
     repetition_penalty: float | None = None
     ignore_eos: bool = False
+    min_tokens: int | None = None
     stop_token_ids: list[int] | None = Field(None, max_length=MAX_STOP_TOKEN_IDS)
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
@@ -76,7 +77,7 @@ class _SamplingFields(_Body):
 
     def check_unsupported(self) -> None:
         """stream_options only with stream (as OpenAI and vLLM: without it no usage chunk could come); no vLLM
-        extra that tokenhaul would otherwise ignore (a client would believe min_tokens or guided decoding held)."""
+        extra that tokenhaul would otherwise ignore (a client would believe guided decoding held)."""
         if self.stream_options is not None and not self.stream:
             raise RequestError("stream_options is only allowed when stream is true")
         for name, value in (self.model_extra or {}).items():
@@ -91,6 +92,7 @@ class _SamplingFields(_Body):
                               ("presence_penalty", self.presence_penalty),
                               ("frequency_penalty", self.frequency_penalty), ("top_k", self.top_k),
                               ("min_p", self.min_p), ("repetition_penalty", self.repetition_penalty),
+                              ("min_tokens", self.min_tokens),
                               ("beam_width", self.beam_width), ("length_penalty", self.length_penalty),
                               ("speculative", self.speculative),
                               ("num_speculative_tokens", self.num_speculative_tokens))

@@ -6,7 +6,8 @@ incomplete character (U+FFFD) or in a byte-fallback token (whose run may still g
 
 Stop rule: the match is the stop-string occurrence in the decoded text that ends first (ties: the
 one that starts first, i.e. the longest); output is the text before it (through it with
-`include_stop_str_in_output`), and nothing after it is ever emitted.
+`include_stop_str_in_output`), and nothing after it is ever emitted. With `min_tokens` (vLLM's), a stop
+string counts only where it ends in the text of a token past the first min_tokens.
 """
 
 from __future__ import annotations
@@ -31,6 +32,7 @@ class Detokenizer:
         stop: list[str] | None = None,
         skip_special_tokens: bool = True,
         include_stop_str_in_output: bool = False,
+        min_tokens: int = 0,
     ) -> None:
         self._backend = tokenizer.backend
         self._byte_ids = tokenizer.byte_fallback_ids
@@ -40,6 +42,8 @@ class Detokenizer:
         self._stops = tuple(s for s in dict.fromkeys(stop or ()) if s)
         self._max_stop = max(map(len, self._stops), default=0)
         self._include_stop = include_stop_str_in_output
+        self._min_tokens = min_tokens
+        self._stops_from: int | None = 0 if min_tokens == 0 else None  # where a stop may end (chars); None: not yet
         seed = self._clean_seed(prompt_token_ids)
         # window: ids[prefix:read] decoded to prefix_text was the last emitted group; ids[read:] pending
         self._ids = seed
@@ -120,9 +124,11 @@ class Detokenizer:
         if not self._stops:
             self.text += chunk
             return chunk
+        if self._stops_from is None and self.token_count > self._min_tokens:  # this chunk is past min_tokens
+            self._stops_from = len(self.text) + len(self._held)
         buf = self._held + chunk
         cuts = self._held_cuts + [len(buf)] if chunk else self._held_cuts
-        match = self._find_stop(buf)
+        match = None if self._stops_from is None else self._find_stop(buf, self._stops_from - len(self.text))
         if match is not None:
             start, stop = match
             out = buf[: start + len(stop) if self._include_stop else start]
@@ -138,11 +144,12 @@ class Detokenizer:
         self.text += out
         return out
 
-    def _find_stop(self, buf: str) -> tuple[int, str] | None:
-        """(start, stop) of the occurrence in buf that ends first; ties go to the earlier start."""
+    def _find_stop(self, buf: str, end_after: int) -> tuple[int, str] | None:
+        """(start, stop) of the occurrence in buf ending past index end_after that ends first; ties go to the
+        earlier start."""
         best: tuple[int, int, str] | None = None
         for stop in self._stops:
-            i = buf.find(stop)
+            i = buf.find(stop, max(0, end_after - len(stop) + 1))
             if i >= 0 and (best is None or (i + len(stop), i) < best[:2]):
                 best = (i + len(stop), i, stop)
         return None if best is None else (best[1], best[2])

@@ -35,7 +35,8 @@ class OutputProcessor:
         self._params[request_id] = params
         self._stop_ids[request_id] = self._silent_stop_ids(params)
         self._detok[request_id] = Detokenizer(self.tokenizer, prompt_token_ids, params.stop,
-                                              params.skip_special_tokens, params.include_stop_str_in_output)
+                                              params.skip_special_tokens, params.include_stop_str_in_output,
+                                              params.min_tokens)
         return out
 
     def process(self, deltas: list[RequestDelta], step: int = -1) -> tuple[list[RequestOutput], list[str]]:
