@@ -106,14 +106,16 @@ class LLM:
         self.core.limits().check_token_ids(prompt)
         return list(prompt)
 
-    def generate(self, prompts: Prompt | list[Prompt], params: SamplingParams | list[SamplingParams] | None = None,
-                 *, fork_from: list[KVHolder | None] | None = None,
+    def generate(self, prompts: Prompt | list[Prompt],
+                 sampling_params: SamplingParams | list[SamplingParams] | None = None, *,
+                 fork_from: list[KVHolder | None] | None = None,
                  keep_kv: list[KVHolder | None] | None = None) -> list[RequestOutput]:
         """Run every prompt through the engine core together; outputs in prompt order. fork_from / keep_kv
-        (per prompt, for tree search): start from KV held there; keep the KV when done (core.release)."""
+        (per prompt, for tree search): start from KV held there; keep the KV when done (core.release).
+        `sampling_params`: one for all prompts or one per prompt (vLLM's name and meaning)."""
         if isinstance(prompts, str) or (isinstance(prompts, list) and prompts and isinstance(prompts[0], int)):
             prompts = [prompts]
-        params = params or SamplingParams()
+        params = sampling_params or SamplingParams()
         plist = params if isinstance(params, list) else [params] * len(prompts)
         if len(plist) != len(prompts):
             raise RequestError(f"{len(plist)} sampling params for {len(prompts)} prompts: give one, or one per prompt")
@@ -148,8 +150,8 @@ class LLM:
         return outs
 
     def chat(self, messages: list[dict] | list[list[dict]],
-             params: SamplingParams | None = None) -> list[RequestOutput]:
+             sampling_params: SamplingParams | None = None) -> list[RequestOutput]:
         """Apply the model's chat template to one conversation or a list of them, then generate."""
         convs = [messages] if messages and isinstance(messages[0], dict) else messages
         prompts = [self.tokenizer.apply_chat_template(c) for c in convs]
-        return self.generate([self.tokenizer.encode(p, add_special_tokens=False) for p in prompts], params)
+        return self.generate([self.tokenizer.encode(p, add_special_tokens=False) for p in prompts], sampling_params)

@@ -70,6 +70,10 @@ def test_same_seed_same_text(smollm):
     assert a.text == b.text and a.token_ids == b.token_ids
     c = smollm.generate("Once upon a time", SamplingParams(max_tokens=24, temperature=0.9, top_p=0.95, seed=99))
     assert c[0].token_ids != a.token_ids
+    d = smollm.generate("Once upon a time", sampling_params=p)[0]  # vLLM's keyword
+    assert d.token_ids == a.token_ids
+    e = smollm.chat([{"role": "user", "content": "Hi"}], sampling_params=SamplingParams(max_tokens=3))[0]
+    assert len(e.token_ids) == 3
 
 
 def test_stop_string_never_leaks(smollm):
