@@ -74,6 +74,7 @@ BAD = [
     (CHAT, {"messages": USER, "guided_choice": ["a", "b"]}, 400, "guided_choice", None),
     (CHAT, {"messages": USER, "structured_outputs": {"regex": "[ab]"}}, 400, "structured_outputs", None),
     (CMPL, {"prompt": "x", "guided_json": {"type": "object"}}, 400, "guided_json", None),
+    (CMPL, {"prompt": "x", "response_format": {"type": "json_object"}}, 400, "response_format", None),
     (CMPL, {"prompt": "x", "prompt_logprobs": 1}, 400, "prompt_logprobs", None),
     (CMPL, {"prompt": "x", "truncate_prompt_tokens": 10}, 400, "truncate_prompt_tokens", None),
     (CHAT, {"messages": USER, "response_format": {"type": "json_object"}}, 400, None, None),  # not ignored

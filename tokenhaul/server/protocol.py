@@ -56,6 +56,7 @@ class _SamplingFields(_Body):
     repetition_penalty: float | None = None
     ignore_eos: bool = False
     min_tokens: int | None = None
+    response_format: dict[str, Any] | None = None  # chat's in OpenAI; vLLM takes it in completions too
     stop_token_ids: list[int] | None = Field(None, max_length=MAX_STOP_TOKEN_IDS)
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
@@ -76,10 +77,14 @@ class _SamplingFields(_Body):
         return data
 
     def check_unsupported(self) -> None:
-        """stream_options only with stream (as OpenAI and vLLM: without it no usage chunk could come); no vLLM
-        extra that tokenhaul would otherwise ignore (a client would believe guided decoding held)."""
+        """stream_options only with stream (as OpenAI and vLLM: without it no usage chunk could come); no
+        response_format but text, and no vLLM extra that tokenhaul would otherwise ignore (a client would believe
+        JSON mode or guided decoding held)."""
         if self.stream_options is not None and not self.stream:
             raise RequestError("stream_options is only allowed when stream is true")
+        kind = (self.response_format or {}).get("type", "text")
+        if kind != "text":
+            raise RequestError(f"response_format {kind!r} is not supported (no constrained decoding): use 'text'")
         for name, value in (self.model_extra or {}).items():
             if name in REFUSED_EXTRAS and value not in (None, False, 0, "", [], {}):
                 raise RequestError(f"{name} is not supported")
@@ -168,7 +173,6 @@ class ChatCompletionRequest(_SamplingFields):
     logprobs: bool = False
     top_logprobs: int | None = None
     max_completion_tokens: int | None = None
-    response_format: dict[str, Any] | None = None
     tools: list[Any] | None = None
     tool_choice: str | dict[str, Any] | None = None
     functions: list[Any] | None = None  # OpenAI's deprecated form of tools
@@ -178,12 +182,9 @@ class ChatCompletionRequest(_SamplingFields):
     function_call: str | dict[str, Any] | None = None
 
     def check_unsupported(self) -> None:
-        """Refuse what would otherwise be ignored silently (a client would believe JSON mode or tools were on), and
+        """Refuse what would otherwise be ignored silently (a client would believe tools were on), and
         top_logprobs out of range by its own name (SamplingParams would name the logprobs it becomes)."""
         super().check_unsupported()
-        kind = (self.response_format or {}).get("type", "text")
-        if kind != "text":
-            raise RequestError(f"response_format {kind!r} is not supported (no constrained decoding): use 'text'")
         if self.tools:
             raise RequestError("tools are not supported")
         if self.tool_choice not in (None, "none"):
