@@ -146,6 +146,20 @@ def test_script_chat_prompt_continue_final_message_and_no_generation_prompt(scri
     assert r.status_code == 400 and r.json()["error"]["param"] == "continue_final_message", r.text
 
 
+def test_script_continuous_usage_stats_every_chunk(script_server, client):
+    """vLLM's stream_options.continuous_usage_stats: every chunk carries the usage so far (completion tokens never
+    decrease), the last one that of the whole call; completions and chat."""
+    url = script_server[0]
+    for path, body in ((CMPL, {"prompt": ["Start:", "b b"], "n": 2}),
+                       ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}]})):
+        body |= {"max_tokens": 6, "temperature": 0}
+        want = client.post(url + path, json=body).json()["usage"]
+        chunks, _ = sse(client, url + path, body | {"stream_options": {"continuous_usage_stats": True}})
+        done = [ch["usage"]["completion_tokens"] for ch in chunks]
+        assert done == sorted(done) and chunks[-1]["usage"] == want, path
+        assert all(ch["usage"]["prompt_tokens"] == want["prompt_tokens"] for ch in chunks)
+
+
 def test_script_logprobs_bytes_and_offsets_across_split_characters(script_server, client):
     """The scripted text's CJK and emoji come in tokens carrying parts of a character: chat logprobs' `bytes`
     join to the content, and completions' `text_offset` is where each token's text starts, streamed or not."""

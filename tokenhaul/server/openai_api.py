@@ -151,21 +151,27 @@ class OpenAIHandlers:
             raise api_error(e) from None
 
     def _sse(self, stream: RequestStream, frames: Callable[[list[tuple[int, GenerationDelta]]], list[dict]],
-             tail: Callable[[], list[dict]], head: list[dict] | None = None) -> StreamingResponse:
+             tail: Callable[[], list[dict]], head: list[dict] | None = None,
+             usage: Callable[[], dict] | None = None) -> StreamingResponse:
+        """The SSE response: head chunks, frames per stream item, tail chunks, [DONE]; with `usage`, every chunk
+        carries the usage so far (vLLM's stream_options.continuous_usage_stats)."""
         hist = self._frame_hist
+
+        def text(chunks: list[dict]) -> str:
+            return "".join(_frame(c if usage is None else c | {"usage": usage()}) for c in chunks)
 
         async def gen() -> AsyncIterator[str]:
             async with stream:
                 try:
                     if head:
-                        yield "".join(_frame(c) for c in head)
+                        yield text(head)
                     async for items in stream:
                         t0 = time.perf_counter()
-                        out = "".join(_frame(c) for c in frames(items))
+                        out = text(frames(items))
                         hist.observe(time.perf_counter() - t0)
                         if out:
                             yield out
-                    yield "".join(_frame(c) for c in tail())
+                    yield text(tail())
                 except (EngineFailed, EngineUnavailable) as e:
                     yield _frame(api_error(e).body())
                 yield "data: [DONE]\n\n"
@@ -240,7 +246,7 @@ class OpenAIHandlers:
             head = [{"id": rid, "object": "text_completion", "created": created, "model": model,
                      "choices": [{"index": i, "text": echoes[i // body.n], "logprobs": None, "finish_reason": None,
                                   "stop_reason": None} for i in range(len(flat))]}]
-        return self._sse(stream, frames, tail, head)
+        return self._sse(stream, frames, tail, head, usage if _continuous_usage(body) else None)
 
     async def _echo_texts(self, body: P.CompletionRequest, prompts: list[list[int]]) -> list[str]:
         """Each prompt's text for echo: as sent, or its token ids decoded (off the event loop)."""
@@ -342,7 +348,7 @@ class OpenAIHandlers:
                 return []
             return [chunk([]) | {"usage": usage()}]
 
-        return self._sse(stream, frames, tail, head)
+        return self._sse(stream, frames, tail, head, usage if _continuous_usage(body) else None)
 
     def _chat_logprobs(self, lps: list) -> list[dict]:
         out = []
@@ -368,6 +374,10 @@ class _TextOffsets:
         at = self.chars[i]
         self.chars[i] += len(self._utf8[i].decode(data))
         return at
+
+
+def _continuous_usage(body: P.CompletionRequest | P.ChatCompletionRequest) -> bool:
+    return body.stream_options is not None and body.stream_options.continuous_usage_stats
 
 
 def _num_prompts(prompt: str | list) -> int:
