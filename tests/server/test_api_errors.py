@@ -150,9 +150,9 @@ def test_good_request_after_bad_ones(script_server, client):
 
 def test_openai_nullable_fields_null_means_default(script_server, client):
     """OpenAI's schema lets n, stream, echo and (chat) logprobs be null, and SDKs send null for unset fields: the
-    default, not a 400."""
+    default, not a 400; an empty model name is the served model (as vLLM)."""
     url = script_server[0]
-    nulls = {"n": None, "stream": None, "logprobs": None}
+    nulls = {"n": None, "stream": None, "logprobs": None, "model": ""}  # "": the served model (vLLM)
     r = client.post(url + CMPL, json={"prompt": "Hello", "max_tokens": 2, "echo": None} | nulls)
     assert r.status_code == 200, r.text
     assert len(r.json()["choices"]) == 1 and r.json()["choices"][0]["logprobs"] is None

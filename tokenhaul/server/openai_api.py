@@ -103,7 +103,8 @@ class OpenAIHandlers:
 
     # shared steps ----------------------------------------------------------------------------
     def _check_model(self, model: str | None) -> None:
-        if model is not None and model != self.engine.model_name:
+        """The served model's name, or none (null or "", as vLLM: the served model); else 404."""
+        if model and model != self.engine.model_name:
             self.engine.metrics.rejected.labels("model_not_found").inc()
             raise APIError(404, f"model '{model}' does not exist; this server serves '{self.engine.model_name}'",
                            param="model", code="model_not_found")
