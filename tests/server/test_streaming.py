@@ -160,6 +160,21 @@ def test_script_continuous_usage_stats_every_chunk(script_server, client):
         assert all(ch["usage"]["prompt_tokens"] == want["prompt_tokens"] for ch in chunks)
 
 
+def test_script_chat_text_parts_join_with_newlines(script_server, client, tokenizer):
+    """A message's text parts are one content joined by newlines, as vLLM renders them for a template taking a
+    string: the same prompt as that string."""
+    url = script_server[0] + "/v1/chat/completions"
+    parts = [{"type": "text", "text": "first part"}, {"type": "text", "text": "second"}]
+
+    def prompt_tokens(content: str | list) -> int:
+        r = client.post(url, json={"messages": [{"role": "user", "content": content}], "max_tokens": 1})
+        assert r.status_code == 200, r.text
+        return r.json()["usage"]["prompt_tokens"]
+
+    joined = tokenizer.apply_chat_template([{"role": "user", "content": "first part\nsecond"}])
+    assert prompt_tokens(parts) == prompt_tokens("first part\nsecond") == len(tokenizer.encode(joined, False))
+
+
 def test_script_logprobs_bytes_and_offsets_across_split_characters(script_server, client):
     """The scripted text's CJK and emoji come in tokens carrying parts of a character: chat logprobs' `bytes`
     join to the content, and completions' `text_offset` is where each token's text starts, streamed or not."""

@@ -154,7 +154,7 @@ class ChatMessage(_Body):
         if isinstance(content, list):
             if any(p.type != "text" or p.text is None for p in content):
                 raise RequestError("only text content parts are supported")
-            content = "".join(p.text or "" for p in content)
+            content = "\n".join(p.text or "" for p in content)  # as vLLM for a template taking a string
         out: dict[str, Any] = {"role": self.role, "content": content or ""}
         if self.name is not None:
             out["name"] = self.name
