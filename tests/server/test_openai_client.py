@@ -93,3 +93,36 @@ def test_errors_surface_as_openai_exceptions(oai):
     with pytest.raises(openai.BadRequestError) as e:
         oai.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "x"}], max_tokens=-1)
     assert "max_tokens" in e.value.message
+
+
+def test_beam_search_n_choices_are_the_n_best_beams(oai, real_server, smollm):
+    """use_beam_search with n: the n choices are the offline n best beams, best first (vLLM), streamed or not;
+    the usage counts every beam's tokens. (It was n copies of the best beam.)"""
+    from tokenhaul.sampling_params import SamplingParams
+
+    prompt = "The capital of France is"
+    beams = smollm.generate(prompt, SamplingParams(max_tokens=12, temperature=0, use_beam_search=True,
+                                                   beam_width=4, n=2))[0].beams
+    texts = [b.text for b in beams]
+    assert len(texts) == 2 and texts[0] != texts[1]
+    kw = dict(model=MODEL, prompt=prompt, max_tokens=12, temperature=0, n=2,
+              extra_body={"use_beam_search": True, "beam_width": 4})
+    r = oai.completions.create(**kw)
+    assert [c.index for c in r.choices] == [0, 1]
+    assert [c.text for c in r.choices] == texts
+    assert r.usage.completion_tokens == sum(len(b.token_ids) for b in beams)
+    assert all(c.finish_reason in ("stop", "length") for c in r.choices)
+    chunks = list(oai.completions.create(**kw, stream=True))
+    got = ["", ""]
+    for c in chunks:
+        for ch in c.choices:
+            got[ch.index] += ch.text
+    assert got == texts
+    chat = oai.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "Name a colour."}],
+                                       max_tokens=8, temperature=0, n=2,
+                                       extra_body={"use_beam_search": True, "beam_width": 4})
+    contents = [c.message.content for c in chat.choices]
+    assert len(contents) == 2 and contents[0] != contents[1]
+    with pytest.raises(openai.BadRequestError) as e:
+        oai.completions.create(**kw, logprobs=1)
+    assert "use_beam_search" in e.value.message

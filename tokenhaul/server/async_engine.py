@@ -13,6 +13,7 @@ KV blocks in the core at its next loop turn."""
 from __future__ import annotations
 
 import asyncio
+import copy
 import itertools
 import logging
 import time
@@ -22,7 +23,7 @@ from dataclasses import dataclass, field
 from tokenhaul.engine.client import EngineClient, InProcessClient
 from tokenhaul.engine.messages import AddRequest, CoreOutputs
 from tokenhaul.errors import CapacityError, RequestError, TokenhaulError
-from tokenhaul.outputs import TokenLogprob
+from tokenhaul.outputs import BeamOutput, TokenLogprob
 from tokenhaul.sampling_params import SamplingParams
 from tokenhaul.server.metrics import ServerMetrics
 from tokenhaul.text.output_processor import OutputProcessor
@@ -71,14 +72,16 @@ class GenerationDelta:
 
 
 class RequestStream:
-    """The deltas of one API call's engine requests (its n choices), coalesced while the reader is
-    busy. Each item is a list of (choice index, delta) in index order; iteration ends when every
-    request has finished. Leaving `async with` early (or `abort()`) aborts what is unfinished."""
+    """The deltas of one API call's engine requests, coalesced while the reader is busy. Request i
+    makes choices i*n .. i*n+n-1 (n > 1: a beam search's n best beams, all in its final delta). Each
+    item is a list of (choice index, delta) in index order; iteration ends when every request has
+    finished. Leaving `async with` early (or `abort()`) aborts what is unfinished."""
 
-    def __init__(self, engine: AsyncEngine, request_ids: list[str]) -> None:
+    def __init__(self, engine: AsyncEngine, request_ids: list[str], n: int = 1) -> None:
         self.request_ids = request_ids
         self.replicas: list[str] = []  # where its requests were sent (the x-tokenhaul-replica header)
         self._engine = engine
+        self._n = n
         self._pending: dict[int, GenerationDelta] = {}
         self._unfinished = set(range(len(request_ids)))
         self._error: Exception | None = None
@@ -121,11 +124,17 @@ class RequestStream:
         self._unfinished.clear()
 
     # called by the engine, on the event loop ------------------------------------------------
-    def _put(self, index: int, delta: GenerationDelta) -> None:
-        if index in self._pending:
-            self._pending[index].merge(delta)
-        else:
-            self._pending[index] = delta
+    def _put(self, index: int, delta: GenerationDelta, beams: list[GenerationDelta] | None = None) -> None:
+        """Request `index`'s delta for its first choice; `beams`, those of its other choices. A finished delta
+        without them (an abort) finishes the other choices alike."""
+        if beams is None:
+            beams = [copy.deepcopy(delta) for _ in range(self._n - 1)] if delta.finished else []
+        for k, d in enumerate([delta, *beams]):
+            i = index * self._n + k
+            if i in self._pending:
+                self._pending[i].merge(d)
+            else:
+                self._pending[i] = d
         if delta.finished:
             self._unfinished.discard(index)
         self._event.set()
@@ -144,6 +153,7 @@ class _Entry:
     stream: RequestStream
     index: int
     num_prompt_tokens: int
+    params: SamplingParams
     arrival: float = field(default_factory=time.perf_counter)
     deadline: asyncio.TimerHandle | None = None  # the generation deadline's timer, if any
     first_t: float | None = None
@@ -302,22 +312,26 @@ class AsyncEngine:
 
     # requests ------------------------------------------------------------------------------
     def add_request(self, prompts: list[list[int]], params: list[SamplingParams], prefix: str = "req") -> RequestStream:
-        """Admit len(prompts) engine requests as one stream (choice i = prompts[i], params[i]).
-        Raises RequestError (bad prompt), EngineOverloaded or EngineUnavailable; admits all or none."""
+        """Admit len(prompts) engine requests as one stream (request i = prompts[i], params[i]; all params share n,
+        the choices per request). Raises RequestError (bad prompt), EngineOverloaded or EngineUnavailable; admits
+        all or none."""
         if not self.healthy:
             stopping = self._closing or self._draining
             raise EngineUnavailable("the server is shutting down" if stopping else "the engine is not running")
         for ids, p in zip(prompts, params, strict=True):
             self.check_prompt(ids, p)
+        n = params[0].n if params else 1
+        if any(p.n != n for p in params):
+            raise RequestError("the requests of one stream must share n")
         if self._num_waiting + len(prompts) > self.max_waiting:
             raise EngineOverloaded(f"server overloaded: {self._num_waiting} requests are waiting for their first "
                                    f"token (limit {self.max_waiting}); retry later")
         ids = [f"{prefix}-{next(self._ids)}" for _ in prompts]
-        stream = RequestStream(self, ids)
+        stream = RequestStream(self, ids, n)
         assert self._loop is not None and self._empty is not None
         self._empty.clear()
         for i, (rid, prompt, p) in enumerate(zip(ids, prompts, params)):
-            e = self._entries[rid] = _Entry(stream, i, len(prompt))
+            e = self._entries[rid] = _Entry(stream, i, len(prompt), p)
             if self.request_timeout is not None:
                 e.deadline = self._loop.call_later(self.request_timeout, self._expire, rid)
             self._num_waiting += 1
@@ -376,8 +390,9 @@ class AsyncEngine:
                 m.itl.observe(now - e.last_t)
             e.last_t = now
             m.generation_tokens.inc(len(new_ids))
+            beams = [self._beam_delta(b, e) for b in o.beams[1:]] if o.beams is not None else None
             e.stream._put(e.index, GenerationDelta(o.delta_text, new_ids, lps, e.num_prompt_tokens, e.num_seen,
-                                                   o.finished, o.finish_reason, o.stop_reason))
+                                                   o.finished, o.finish_reason, o.stop_reason), beams)
             if o.finished:
                 self._ended(self._entries.pop(o.request_id))
                 self.processor.release(o.request_id)
@@ -388,6 +403,17 @@ class AsyncEngine:
             self._fail(rid, EngineFailed(reason))
         if out.dead is not None:
             self._fail_all(EngineFailed(out.dead))
+
+    def _beam_delta(self, beam: BeamOutput, e: _Entry) -> GenerationDelta:
+        """A finished beam after the best, as its choice's only delta; it stopped at a stop token or the length
+        limit, as the core tells of the best beam."""
+        p = e.params
+        last = beam.token_ids[-1] if beam.token_ids else None
+        eos = () if p.ignore_eos else self._eos
+        stop_id = last if last in p.stop_token_ids and last not in eos else None
+        reason = "stop" if last in eos or stop_id is not None else "length"
+        return GenerationDelta(beam.text, list(beam.token_ids), None, e.num_prompt_tokens, len(beam.token_ids),
+                               True, reason, stop_id)
 
     def _ended(self, e: _Entry) -> None:
         if e.deadline is not None:

@@ -192,25 +192,27 @@ class OpenAIHandlers:
                 raise RequestError(f"n × prompts is {batch * body.n}; at most {MAX_CHOICES} per call")
             prompts = await self._completion_prompts(body.prompt)
             echoes = await self._echo_texts(body, prompts) if body.echo else None
-            params = [body.sampling_params(body.max_tokens if body.max_tokens is not None else 16, body.logprobs, i)
-                      for _ in prompts for i in range(body.n)]
+            max_tokens = body.max_tokens if body.max_tokens is not None else 16
+            per_prompt = [body.choice_params(max_tokens, body.logprobs) for _ in prompts]
         except TokenhaulError as err:
             raise self._refused(err) from None
-        flat = [p for p in prompts for _ in range(body.n)]
+        params = [p for ps in per_prompt for p in ps]
+        flat = [ids for ids, ps in zip(prompts, per_prompt) for _ in ps]
+        num_choices = len(prompts) * body.n
         rid = f"cmpl-{uuid.uuid4().hex}"
         stream = self._admit(flat, params, rid, "prompt")
         created, model = int(time.time()), e.model_name
         n_prompt = sum(len(p) for p in prompts)
         want_lp = body.logprobs is not None
-        offsets = _TextOffsets(len(flat))
-        out_tokens = [0] * len(flat)
+        offsets = _TextOffsets(num_choices)
+        out_tokens = [0] * num_choices
 
         def usage() -> dict:
             done = sum(out_tokens)
             return {"prompt_tokens": n_prompt, "completion_tokens": done, "total_tokens": n_prompt + done}
 
         if not body.stream:
-            acc = await self._gather(stream, len(flat), request)
+            acc = await self._gather(stream, num_choices, request)
             choices = []
             for i, c in enumerate(acc):
                 out_tokens[i] = c.num_tokens
@@ -246,7 +248,7 @@ class OpenAIHandlers:
         if echoes is not None:  # each choice's prompt first, as its own chunk
             head = [{"id": rid, "object": "text_completion", "created": created, "model": model,
                      "choices": [{"index": i, "text": echoes[i // body.n], "logprobs": None, "finish_reason": None,
-                                  "stop_reason": None} for i in range(len(flat))]}]
+                                  "stop_reason": None} for i in range(num_choices)]}]
         return self._sse(stream, frames, tail, head, usage if _continuous_usage(body) else None)
 
     async def _echo_texts(self, body: P.CompletionRequest, prompts: list[list[int]]) -> list[str]:
@@ -301,11 +303,11 @@ class OpenAIHandlers:
                 room = min(e.limits.max_model_len, e.limits.num_blocks * e.limits.block_size) - len(prompt)
                 max_tokens = max(1, room)
             lp = (body.top_logprobs or 0) if body.logprobs else None
-            params = [body.sampling_params(max_tokens, lp, i) for i in range(body.n)]
+            params = body.choice_params(max_tokens, lp)
         except TokenhaulError as err:
             raise self._refused(err, "messages") from None
         rid = f"chatcmpl-{uuid.uuid4().hex}"
-        stream = self._admit([prompt] * body.n, params, rid, "messages")
+        stream = self._admit([prompt] * len(params), params, rid, "messages")
         created, model = int(time.time()), e.model_name
         out_tokens = [0] * body.n
         want_lp = body.logprobs

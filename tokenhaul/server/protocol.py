@@ -61,7 +61,7 @@ class _SamplingFields(_Body):
     stop_token_ids: list[int] | None = Field(None, max_length=MAX_STOP_TOKEN_IDS)
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
-    use_beam_search: bool = False  # tokenhaul: transformers' num_beams semantics; each choice is the best beam
+    use_beam_search: bool = False  # transformers' num_beams semantics; the n choices are the n best beams
     beam_width: int | None = None
     length_penalty: float | None = None
     speculative: str | None = None  # off | prompt_lookup | draft | jacobi (tokenhaul's)
@@ -90,8 +90,15 @@ class _SamplingFields(_Body):
             if name in REFUSED_EXTRAS and value not in (None, False, 0, "", [], {}):
                 raise RequestError(f"{name} is not supported")
 
-    def sampling_params(self, max_tokens: int, logprobs: int | None, index: int = 0) -> SamplingParams:
-        """SamplingParams of choice `index` (seeds differ per choice: seed + index)."""
+    def choice_params(self, max_tokens: int, logprobs: int | None) -> list[SamplingParams]:
+        """The SamplingParams of one prompt's engine requests: with use_beam_search one, returning the n best
+        beams as the n choices; else one per choice."""
+        if self.use_beam_search:
+            return [self.sampling_params(max_tokens, logprobs, n=self.n)]
+        return [self.sampling_params(max_tokens, logprobs, i) for i in range(self.n)]
+
+    def sampling_params(self, max_tokens: int, logprobs: int | None, index: int = 0, n: int = 1) -> SamplingParams:
+        """SamplingParams of choice `index` (seeds differ per choice: seed + index); `n` beams with beam search."""
         seed = None if self.seed is None else (self.seed + index) % 2**63
         kw: dict[str, Any] = {
             k: v for k, v in (("temperature", self.temperature), ("top_p", self.top_p),
@@ -109,7 +116,7 @@ class _SamplingFields(_Body):
                               ignore_eos=self.ignore_eos, stop_token_ids=list(self.stop_token_ids or []),
                               skip_special_tokens=self.skip_special_tokens,
                               include_stop_str_in_output=self.include_stop_str_in_output,
-                              use_beam_search=self.use_beam_search, logit_bias=self._logit_bias(), **kw)
+                              use_beam_search=self.use_beam_search, n=n, logit_bias=self._logit_bias(), **kw)
 
     def _logit_bias(self) -> dict[int, float]:
         """OpenAI's string keys as token ids (their range and the biases are SamplingParams' to check)."""
