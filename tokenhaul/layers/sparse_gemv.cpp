@@ -74,11 +74,8 @@ struct Kept {
   std::vector<float> group_scale;
   std::vector<int32_t> group_codes;
   void clear() {  // empty, capacity kept
-    for (auto* v : {&idx, &group_end, &group_codes}) v->clear();
-    for (auto* v : {&w, &group_sum, &group_scale}) v->clear();
-    hi.clear();
-    lo.clear();
-    xq.clear();
+    idx.clear(); w.clear(); group_end.clear(); group_sum.clear(); hi.clear(); lo.clear(); xq.clear();
+    group_scale.clear(); group_codes.clear();
     offset_sum = 0.f;
     qscale = 1.f;
   }
@@ -349,8 +346,6 @@ inline void pass_best(const uint8_t* const* r, const float* w, int64_t n, float*
 #define VNNI __attribute__((target("avx512f,avx512bw,avx512vl,avx512vnni")))
 const bool kVnni = kWide && __builtin_cpu_supports("avx512vnni");  // kWide read the CPU model first
 
-// Kept::hi / lo / qscale from w (see there); the int32 sums cannot overflow below 2^16 kept rows (a lane grows by
-// < 4 · 255 · 128 per quad)
 // quantize_kept's vector steps (AVX-512), 16 at a time up to the last whole 16 (each returns how many it did): the
 // most |w| (into `most`); and w · inv rounded, split into (q >> 7, q & 127) bytes
 VNNI int64_t max16(const float* w, int64_t n, float& most) {
@@ -372,6 +367,8 @@ VNNI int64_t split16(const float* w, float inv, int64_t n, uint8_t* hi, uint8_t*
   return j;
 }
 
+// Kept::hi / lo / qscale from w (see there); the int32 sums cannot overflow below 2^16 kept rows (a lane grows by
+// < 4 · 255 · 128 per quad)
 void quantize_kept(Kept& k) {
   if (k.idx.empty()) return;
   while (k.idx.size() % 4) {
