@@ -13,7 +13,7 @@ SPECULATIVE = ("off", "prompt_lookup", "draft", "jacobi")
 
 @dataclass
 class SamplingParams:
-    max_tokens: int = 16
+    max_tokens: int | None = 16  # None: up to the context's end (vLLM's)
     temperature: float = 1.0  # 0 → greedy
     top_k: int = 0  # 0 or -1 → off
     top_p: float = 1.0
@@ -52,8 +52,9 @@ class SamplingParams:
             self.top_k = 0
         self.logit_bias = _checked_bias(self.logit_bias)
         checks = [
-            (self.max_tokens > 0, f"max_tokens must be a positive integer, got {self.max_tokens!r}"),
-            (0 <= self.min_tokens <= self.max_tokens,
+            (self.max_tokens is None or self.max_tokens > 0,
+             f"max_tokens must be a positive integer (or None), got {self.max_tokens!r}"),
+            (0 <= self.min_tokens <= (self.min_tokens if self.max_tokens is None else self.max_tokens),
              f"min_tokens must be in [0, max_tokens={self.max_tokens}], got {self.min_tokens}"),
             (self.temperature >= 0, f"temperature must be >= 0, got {self.temperature}"),
             (1e-8 <= self.top_p <= 1, f"top_p must be in [1e-8, 1], got {self.top_p}"),  # fp32 keeps it > 0
@@ -88,7 +89,8 @@ class SamplingParams:
                   self.frequency_penalty, self.length_penalty)
         checks = [
             (all(_is_number(x) and math.isfinite(x) for x in floats), "sampling values must be finite numbers"),
-            (_is_int(self.max_tokens), f"max_tokens must be a positive integer, got {self.max_tokens!r}"),
+            (self.max_tokens is None or _is_int(self.max_tokens),
+             f"max_tokens must be a positive integer (or None), got {self.max_tokens!r}"),
             (_is_int(self.min_tokens), f"min_tokens must be an integer in [0, max_tokens], got {self.min_tokens!r}"),
             (_is_int(self.top_k), f"top_k must be an integer (0 or -1 to disable), got {self.top_k!r}"),
             (self.logprobs is None or _is_int(self.logprobs),

@@ -102,6 +102,18 @@ def test_request_that_can_never_fit_is_rejected(tiny_core):
         core.add_request("e", [], GREEDY)
 
 
+def test_max_tokens_none_runs_to_the_context_end(tiny_core):
+    """max_tokens=None (vLLM's): the request generates until the context is full, finish "length"."""
+    core = tiny_core(max_model_len=32)
+    core.add_request("r", list(range(1, 11)), SamplingParams(max_tokens=None, temperature=0, ignore_eos=True))
+    out, finish = [], None
+    while core.has_unfinished():
+        for d in core.step():
+            out += d.new_token_ids
+            finish = d.finish_reason or finish
+    assert len(out) == 32 - 10 and finish == "length"
+
+
 def test_prompt_longer_than_context(tiny_core):
     core = tiny_core(max_model_len=32)
     with pytest.raises(RequestError, match="context"):

@@ -9,7 +9,7 @@ from __future__ import annotations
 import sys
 import time
 from collections.abc import Collection
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Protocol
 
 import torch
@@ -142,6 +142,8 @@ class EngineCore:
         """Queue a request; raises RequestError/CapacityError if it can never run. fork_from: start from
         the blocks held there, as far as its tokens match the prompt (copy-on-write); keep_kv: an empty
         holder that receives the request's blocks when it finishes (release it with `release`)."""
+        if params.max_tokens is None:  # vLLM's None: up to the context's end
+            params = replace(params, max_tokens=max(1, self.max_model_len - len(prompt_token_ids)))
         params.check_served(self.decoder.proposers)
         self.limits().check_params(params)
         if params.use_beam_search:

@@ -300,7 +300,7 @@ class AsyncEngine:
         if n >= lim.max_model_len:
             raise PromptTooLong(f"prompt has {n} tokens, but the model's context holds {lim.max_model_len} "
                                 f"(prompt + at least 1 new token)")
-        total = n + params.max_tokens
+        total = n + (params.max_tokens if params.max_tokens is not None else lim.max_model_len - n)
         if total > lim.max_model_len:  # as OpenAI and vLLM: refused, not cut short at the context's end
             raise PromptTooLong(f"prompt has {n} tokens and max_tokens is {params.max_tokens}: {total} tokens, but "
                                 f"the model's context holds {lim.max_model_len}; lower max_tokens to at most "
