@@ -33,5 +33,6 @@ class RequestOutput:
     finish_reason: str | None = None
     stop_reason: int | str | None = None  # the stop string matched, or the stop_token_ids id stopped at (vLLM's)
     logprobs: list[TokenLogprob] | None = None
+    prompt_logprobs: list[TokenLogprob | None] | None = None  # per prompt token, None for the first (vLLM's)
     beams: list[BeamOutput] | None = None  # beam search: the best n, best first (token_ids/text are beams[0]'s)
     ledger: Any = None  # tokenhaul.ledger.Ledger of the generate call, set by LLM.generate
