@@ -9,6 +9,7 @@ from dataclasses import dataclass, field
 from tokenhaul.errors import RequestError
 
 SPECULATIVE = ("off", "prompt_lookup", "draft", "jacobi")
+MAX_N = 128  # samples or beams per request (OpenAI's cap)
 
 
 @dataclass
@@ -72,8 +73,8 @@ class SamplingParams:
              f"num_speculative_tokens must be an integer in [1, 16], got {self.num_speculative_tokens!r}"),
             (isinstance(self.beam_width, int) and 1 <= self.beam_width <= 64,
              f"beam_width must be an integer in [1, 64], got {self.beam_width!r}"),
-            (isinstance(self.n, int) and 1 <= self.n <= (self.beam_width if self.use_beam_search else 1),
-             f"n must be 1, or in [1, beam_width] with use_beam_search, got {self.n!r}"),
+            (isinstance(self.n, int) and 1 <= self.n <= (self.beam_width if self.use_beam_search else MAX_N),
+             f"n must be an integer in [1, {MAX_N}], and at most beam_width with use_beam_search, got {self.n!r}"),
             (not self.use_beam_search or (self.speculative == "off" and not self.adjusts_logits
                                           and self.logprobs is None and not self.stop),
              "use_beam_search does not combine with speculative, penalties, logit_bias, min_tokens, logprobs "

@@ -148,9 +148,13 @@ def test_refused_combinations(kw):
         SamplingParams(use_beam_search=True, **kw)
 
 
-def test_n_above_one_needs_beam_search():
-    with pytest.raises(RequestError, match="n must be"):
-        SamplingParams(n=2)
+def test_n_bounds_and_the_core_refuses_sampled_n():
+    """n > 1 samples are fanned out by the front end; the core itself takes n > 1 only as beams."""
+    for bad in (0, 129, 2.0):
+        with pytest.raises(RequestError, match="n must be"):
+            SamplingParams(n=bad)
+    with pytest.raises(RequestError, match="fanned out"):
+        core_with().add_request("s", PROMPTS[0], SamplingParams(n=2, max_tokens=4))
 
 
 REAL_PROMPTS = [

@@ -26,7 +26,7 @@ from tokenhaul.engine.runner import ModelRunner
 from tokenhaul.engine.scheduler import Scheduler, SchedulerConfig
 from tokenhaul.engine.step_calibration import load_or_calibrate
 from tokenhaul.engine.step_time import StepTimeModel
-from tokenhaul.errors import CapacityError, TokenhaulError
+from tokenhaul.errors import CapacityError, RequestError, TokenhaulError
 from tokenhaul.kv.block_pool import BlockPool
 from tokenhaul.kv.cache import KVCache
 from tokenhaul.kv.manager import KVHolder, KVManager
@@ -144,6 +144,9 @@ class EngineCore:
         holder that receives the request's blocks when it finishes (release it with `release`)."""
         if params.max_tokens is None:  # vLLM's None: up to the context's end
             params = replace(params, max_tokens=max(1, self.max_model_len - len(prompt_token_ids)))
+        if params.n > 1 and not params.use_beam_search:
+            raise RequestError(f"n={params.n} samples are fanned out by the front end (LLM.generate, the server): "
+                               "the core takes one request per sample")
         params.check_served(self.decoder.proposers)
         self.limits().check_params(params)
         if params.use_beam_search:
