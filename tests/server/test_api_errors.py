@@ -23,6 +23,10 @@ BAD = [
     # (path, body, status, param, code)
     (CMPL, b'{"prompt": "x",', 400, None, "invalid_json"),
     (CMPL, b"not json at all", 400, None, "invalid_json"),
+    (CMPL, b'{"prompt": "x", "temperature": NaN}', 400, None, "invalid_json"),  # Python's json takes these
+    (CMPL, b'{"prompt": "x", "top_p": Infinity}', 400, None, "invalid_json"),
+    (CHAT, b'{"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2, "x": -Infinity}', 400, None,
+     "invalid_json"),  # even in a field nothing reads
     (CMPL, [1, 2], 400, None, None),
     (CMPL, {}, 400, "prompt", "missing"),
     (CMPL, {"model": "gpt-17", "prompt": "x"}, 404, "model", "model_not_found"),

@@ -41,8 +41,9 @@ log = logging.getLogger("tokenhaul.server")
 
 class _OffLoopJSONRequest(Request):
     """A request whose JSON body is parsed in a worker thread (a 2 MB body of small objects takes
-    ~0.1 s to parse, which must not stall every other request on the event loop) and refused if a
-    string holds a lone UTF-16 surrogate ("\\ud800" is valid JSON but no text can be made of it)."""
+    ~0.1 s to parse, which must not stall every other request on the event loop) and refused if it
+    is not strict JSON: NaN / Infinity literals, or a string holding a lone UTF-16 surrogate
+    ("\\ud800" is valid JSON but no text can be made of it)."""
 
     async def json(self) -> Any:
         if not hasattr(self, "_json"):
@@ -51,13 +52,18 @@ class _OffLoopJSONRequest(Request):
 
 
 def _parse_json(body: bytes) -> Any:
-    obj = json.loads(body)
+    obj = json.loads(body, parse_constant=_no_constant)
     if b"\\u" in body or not body.isascii():  # only an escape or raw bytes can carry a surrogate
         try:
             json.dumps(obj, ensure_ascii=False).encode()
         except UnicodeEncodeError:
             raise json.JSONDecodeError("a string holds a lone UTF-16 surrogate (invalid Unicode)", "", 0) from None
     return obj
+
+
+def _no_constant(name: str) -> Any:
+    """Python's json takes NaN, Infinity and -Infinity; JSON has no such literals."""
+    raise json.JSONDecodeError(f"{name} is not a JSON value", "", 0)
 
 
 class _Route(APIRoute):
