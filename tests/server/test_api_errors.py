@@ -129,6 +129,18 @@ def test_unknown_route_and_method(script_server, client):
     check_error(client.get(url + CMPL), 405)
 
 
+def test_model_by_name(script_server, client):
+    """GET /v1/models/{model}: the card /v1/models lists; any other name (one with '/' too, or none) is a 404."""
+    url = script_server[0]
+    listed = client.get(url + "/v1/models").json()["data"]
+    r = client.get(url + "/v1/models/script-model")
+    assert r.status_code == 200, r.text
+    assert [r.json()] == listed
+    for name in ("gpt-17", "org/script-model", ""):
+        err = check_error(client.get(url + "/v1/models/" + name), 404, "model", "model_not_found")
+        assert f"'{name}'" in err["message"]
+
+
 def test_head_on_health_and_metrics(script_server, client):
     """Probes may use HEAD: 200 and the GET's headers, no body."""
     url = script_server[0]

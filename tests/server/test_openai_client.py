@@ -18,8 +18,12 @@ def oai(real_server):
 
 
 def test_models(oai):
-    ids = [m.id for m in oai.models.list()]
-    assert ids == [MODEL]
+    listed = list(oai.models.list())
+    assert [m.id for m in listed] == [MODEL]
+    assert oai.models.retrieve(MODEL) == listed[0]
+    with pytest.raises(openai.NotFoundError) as e:
+        oai.models.retrieve("nope")
+    assert e.value.body["code"] == "model_not_found"
 
 
 def test_completions_plain_and_stream(oai):

@@ -26,7 +26,7 @@ from tokenhaul.server.async_engine import AsyncEngine
 from tokenhaul.server.guards import LOOPBACK_HOSTS, Guard, ServerOptions
 from tokenhaul.server.http_protocol import uvicorn_config
 from tokenhaul.server.metrics import CONTENT_TYPE
-from tokenhaul.server.openai_api import APIError, ClientGone, OpenAIHandlers
+from tokenhaul.server.openai_api import APIError, ClientGone, OpenAIHandlers, unknown_model
 
 _ERRORS: dict[int | str, dict[str, Any]] = {
     400: {"model": P.ErrorResponse, "description": "Invalid request"},
@@ -148,11 +148,20 @@ def build_app(engine: AsyncEngine, options: ServerOptions | None = None, manage_
                 rec["replica"] = name
         return {"replicas": reps, "routing": engine.client.routing()}
 
+    def card() -> dict:
+        return {"id": engine.model_name, "object": "model", "created": engine.created, "owned_by": "tokenhaul",
+                "max_model_len": engine.limits.max_model_len}
+
     @app.get("/v1/models", response_model=P.ModelList)
     async def models() -> dict:
-        card = {"id": engine.model_name, "object": "model", "created": engine.created, "owned_by": "tokenhaul",
-                "max_model_len": engine.limits.max_model_len}
-        return {"object": "list", "data": [card]}
+        return {"object": "list", "data": [card()]}
+
+    @app.get("/v1/models/{model:path}", response_model=P.ModelCard, responses={404: _ERRORS[404]})
+    async def model(model: str) -> dict:
+        """The served model's card, as /v1/models lists it (a name may hold '/'); 404 for any other name."""
+        if model != engine.model_name:
+            raise unknown_model(engine, model)
+        return card()
 
     event = {"type": "object", "required": ["data"], "properties": {"data": {
         "type": "string", "description": "one JSON chunk (a completion chunk or an error), or [DONE]"}}}

@@ -51,6 +51,12 @@ class APIError(Exception):
         return JSONResponse(self.body(), status_code=self.status, headers=self.headers)
 
 
+def unknown_model(engine: AsyncEngine, model: str) -> APIError:
+    """404 for a model name this server does not serve (OpenAI's code model_not_found)."""
+    return APIError(404, f"model '{model}' does not exist; this server serves '{engine.model_name}'",
+                    param="model", code="model_not_found")
+
+
 class ClientGone(Exception):
     """The client disconnected before a non-streamed response was ready; its requests are aborted."""
 
@@ -106,8 +112,7 @@ class OpenAIHandlers:
         """The served model's name, or none (null or "", as vLLM: the served model); else 404."""
         if model and model != self.engine.model_name:
             self.engine.metrics.rejected.labels("model_not_found").inc()
-            raise APIError(404, f"model '{model}' does not exist; this server serves '{self.engine.model_name}'",
-                           param="model", code="model_not_found")
+            raise unknown_model(self.engine, model)
 
     def _admit(self, prompts: list[list[int]], params: list, prefix: str, prompt_param: str) -> RequestStream:
         try:
