@@ -389,8 +389,8 @@ class AsyncEngine:
             else:
                 m.itl.observe(now - e.last_t)
             e.last_t = now
-            m.generation_tokens.inc(len(new_ids))
             beams = [self._beam_delta(b, e) for b in o.beams[1:]] if o.beams is not None else None
+            m.generation_tokens.inc(len(new_ids) + sum(len(b.token_ids) for b in beams or ()))  # every choice's
             e.stream._put(e.index, GenerationDelta(o.delta_text, new_ids, lps, e.num_prompt_tokens, e.num_seen,
                                                    o.finished, o.finish_reason, o.stop_reason), beams)
             if o.finished:

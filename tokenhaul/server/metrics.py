@@ -41,7 +41,9 @@ class ServerMetrics:
         self.prompt_tokens = Counter("tokenhaul_prompt_tokens", "Prompt tokens of admitted requests.",
                                      registry=r)
         self.generation_tokens = Counter("tokenhaul_generation_tokens",
-                                         "Tokens generated and handed to the front end.", registry=r)
+                                         "Tokens generated and handed to the front end, those of every returned "
+                                         "choice (as usage.completion_tokens; beam search: each of the n beams).",
+                                         registry=r)
         self.requests = Counter("tokenhaul_requests", "Engine requests ended, by finish reason.",
                                 ["finish_reason"], registry=r)
         self.rejected = Counter("tokenhaul_requests_rejected",
