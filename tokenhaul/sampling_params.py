@@ -28,6 +28,7 @@ class SamplingParams:
     stop: list[str] = field(default_factory=list)
     include_stop_str_in_output: bool = False
     logprobs: int | None = None  # number of top logprobs per token (0 → only the chosen token's)
+    prompt_logprobs: int | None = None  # the same for each prompt token (vLLM's; the first has none)
     skip_special_tokens: bool = True
     speculative: str = "off"  # "off" | "prompt_lookup" | "draft" | "jacobi" (decoding/)
     num_speculative_tokens: int = 4  # most drafts per step; adapted per request between 1 and this
@@ -67,6 +68,8 @@ class SamplingParams:
             (-2 <= self.frequency_penalty <= 2,
              f"frequency_penalty must be in [-2, 2], got {self.frequency_penalty}"),
             (self.logprobs is None or 0 <= self.logprobs <= 20, f"logprobs must be in [0, 20], got {self.logprobs}"),
+            (self.prompt_logprobs is None or 0 <= self.prompt_logprobs <= 20,
+             f"prompt_logprobs must be in [0, 20], got {self.prompt_logprobs}"),
             (self.speculative in SPECULATIVE,
              f"speculative must be one of {', '.join(SPECULATIVE)}, got {self.speculative!r}"),
             (isinstance(self.num_speculative_tokens, int) and 1 <= self.num_speculative_tokens <= 16,
@@ -76,9 +79,10 @@ class SamplingParams:
             (isinstance(self.n, int) and 1 <= self.n <= (self.beam_width if self.use_beam_search else MAX_N),
              f"n must be an integer in [1, {MAX_N}], and at most beam_width with use_beam_search, got {self.n!r}"),
             (not self.use_beam_search or (self.speculative == "off" and not self.adjusts_logits
-                                          and self.logprobs is None and not self.stop),
-             "use_beam_search does not combine with speculative, penalties, logit_bias, min_tokens, logprobs "
-             "(beams carry scores) or stop strings (beams end at stop_token_ids and EOS)"),
+                                          and self.logprobs is None and self.prompt_logprobs is None
+                                          and not self.stop),
+             "use_beam_search does not combine with speculative, penalties, logit_bias, min_tokens, logprobs or "
+             "prompt_logprobs (beams carry scores) or stop strings (beams end at stop_token_ids and EOS)"),
         ]
         for ok, msg in checks:
             if not ok:
@@ -96,6 +100,8 @@ class SamplingParams:
             (_is_int(self.top_k), f"top_k must be an integer (0 or -1 to disable), got {self.top_k!r}"),
             (self.logprobs is None or _is_int(self.logprobs),
              f"logprobs must be an integer in [0, 20], got {self.logprobs!r}"),
+            (self.prompt_logprobs is None or _is_int(self.prompt_logprobs),
+             f"prompt_logprobs must be an integer in [0, 20], got {self.prompt_logprobs!r}"),
             (self.seed is None or (_is_int(self.seed) and -2**63 <= self.seed < 2**64),
              f"seed must be an integer in [-2**63, 2**64), got {self.seed!r}"),
             (isinstance(self.stop, (list, tuple)) and all(isinstance(s, str) for s in self.stop),

@@ -138,6 +138,10 @@ def test_batch_rows_sampled_independently():
     ({"stop_token_ids": 5}, "stop_token_ids"), ({"stop_token_ids": [5.5]}, "stop_token_ids"),
     ({"stop_token_ids": [-1]}, "stop_token_ids"), ({"stop": [3]}, "stop"), ({"max_tokens": True}, "max_tokens"),
     ({"max_tokens": 2.0}, "max_tokens"), ({"temperature": None}, "finite"), ({"top_p": "0.9"}, "finite"),
+    ({"prompt_logprobs": 21}, "prompt_logprobs"), ({"prompt_logprobs": -1}, "prompt_logprobs"),
+    ({"prompt_logprobs": 2.5}, "prompt_logprobs"), ({"prompt_logprobs": True}, "prompt_logprobs"),
+    ({"prompt_logprobs": "1"}, "prompt_logprobs"),
+    ({"use_beam_search": True, "temperature": 0, "prompt_logprobs": 1}, "prompt_logprobs"),
 ])
 def test_bad_params_one_line_errors(kw, msg):
     with pytest.raises(RequestError, match=msg) as e:

@@ -69,16 +69,16 @@ def test_compiled_step_matches_eager(arch, quant, sparsity, kv_dtype):
 
     def check(inp):
         before = sum(int(lin.kept[0]) for lin in sparse)
-        logits, top = forward(inp)
+        logits, top, prompt = forward(inp)
         if inp.decode is not None:
             assert torch.equal(top, logits.argmax(-1))
             counted.append(sum(int(lin.kept[0]) for lin in sparse) - before)  # by the compiled step alone
             assert inp.attn_groups == inp.eager.attn_groups
-            eager, no_top = forward(inp.eager)
+            eager, no_top, _ = forward(inp.eager)
             assert no_top is None
             err = (logits - eager).abs().max() / eager.abs().max()
             compared.append(float(err))
-        return logits, top
+        return logits, top, prompt
 
     runner.prepare, runner.forward_with_argmax = both, check
     core.add_request("a", list(range(1, 10)), SamplingParams(max_tokens=24, temperature=0, ignore_eos=True))
@@ -110,7 +110,7 @@ def test_a_saved_step_runs_on_the_loading_models_weights(monkeypatch):
     assert inp.decode is not None
     logits, _ = runner.compiled.run(*inp.decode)
     runner.compiled = None
-    eager, _ = runner.forward_with_argmax(runner.prepare(sched))
+    eager, _, _ = runner.forward_with_argmax(runner.prepare(sched))
     assert ((logits - eager).abs().max() / eager.abs().max()) < 0.06
 
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 
 from tokenhaul.engine.messages import RequestDelta, Sample
+from tokenhaul.outputs import TokenLogprob
 from tokenhaul.sampling_params import SamplingParams
 from tokenhaul.text.output_processor import OutputProcessor
 from tokenhaul.text.tokenizer import Tokenizer
@@ -79,3 +80,21 @@ def test_abort_releases_text_held_for_a_stop_string(tiny: Tokenizer) -> None:
     out = proc.abort("r")
     assert out.finished and out.finish_reason == "abort" and out.stop_reason is None
     assert out.text == "hello wor" and out.delta_text == "hello wor"[len(shown):]
+
+
+def test_prompt_logprobs_arrive_once_and_stay(tiny: Tokenizer) -> None:
+    """The core sends prompt logprobs in a request's first delta: the output holds them (None for the first
+    prompt token), later deltas leave them; a request that did not ask has none."""
+    prompt = tiny.encode("hi there")
+    proc = OutputProcessor(tiny)
+    proc.add("r", prompt, SamplingParams(prompt_logprobs=1))
+    proc.add("q", prompt, SamplingParams())
+    sent = [None] + [Sample(t, -0.5 * i, [(7, -0.1)]) for i, t in enumerate(prompt[1:], 1)]
+    proc.process([RequestDelta("r", [5], False, None, [Sample(5)], prompt_logprobs=sent),
+                  RequestDelta("q", [5], False, None, [Sample(5)])])
+    proc.process([RequestDelta("r", [6], True, "length", [Sample(6)])])
+    out = proc.release("r")
+    assert out.prompt_logprobs == [None] + [TokenLogprob(t, -0.5 * i, [(7, -0.1)])
+                                            for i, t in enumerate(prompt[1:], 1)]
+    assert len(out.prompt_logprobs) == len(prompt) > 1 and out.token_ids == [5, 6]
+    assert proc.release("q").prompt_logprobs is None

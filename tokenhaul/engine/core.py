@@ -18,6 +18,7 @@ from tokenhaul.config import EngineConfig
 from tokenhaul.decoding import PROPOSERS
 from tokenhaul.decoding.beam import BeamSearch
 from tokenhaul.decoding.decoder import Decoder, Verdict
+from tokenhaul.decoding.prompt_logprobs import collect as collect_prompt_logprobs
 from tokenhaul.decoding.speculative import DraftModel, check_pair
 from tokenhaul.engine.compiled_decode import CompiledDecode, compile_after_exit
 from tokenhaul.engine.messages import CoreLimits, CoreStats, RequestDelta
@@ -57,6 +58,7 @@ class StepRecord:
     # (query length, KV length of each sequence) — costs are computed from these, not from a copy of its rules
     budget_s: float = 0.0  # the inter-token budget the step was planned under (0: none)
     predicted_s: float = 0.0  # the step-time model's prediction for prepare + forward + sample
+    prompt_logprob_rows: int = 0  # lm_head rows computed beyond the sampled ones: prompt positions' prompt logprobs
 
 
 class StepObserver(Protocol):
@@ -154,7 +156,7 @@ class EngineCore:
             return
         req = Request(request_id, list(prompt_token_ids), params, tuple(eos_token_ids), priority, kv_heir=keep_kv)
         self.scheduler.add(req)
-        if fork_from is not None:
+        if fork_from is not None and not req.needs_prompt_logprobs:  # it computes every prompt position
             held = fork_from.token_ids[:min(fork_from.num_computed_tokens, len(req.prompt_token_ids) - 1)]
             n = next((i for i, (a, b) in enumerate(zip(held, req.prompt_token_ids)) if a != b), len(held))
             self.scheduler.kv.fork(fork_from, req, n)
@@ -220,10 +222,12 @@ class EngineCore:
         t1 = time.perf_counter()
         inp = self.runner.prepare(sched)
         t2 = time.perf_counter()
-        logits, top = self.runner.forward_with_argmax(inp)
+        logits, top, prompt_hidden = self.runner.forward_with_argmax(inp)
         if logits.device.type == "cuda":
             torch.cuda.synchronize()
         t3 = time.perf_counter()
+        if prompt_hidden is not None:
+            collect_prompt_logprobs(self.model.compute_logits, prompt_hidden, inp.prompt_chunks)
         logits, chunks, beam_rows = self.beams.split(logits, inp.sample_chunks)
         top = top if chunks is inp.sample_chunks else None  # beams took rows out
         verdicts = self.decoder.verify(logits, chunks, top) if chunks else []
@@ -251,7 +255,8 @@ class EngineCore:
                 rejected_tokens=sum(v.proposed - v.accepted for v in verdicts), kv_block_size=self.pool.block_size,
                 kv_view_slots=inp.kv_view_slots,
                 speculation=[(v.request.request_id, v.proposed, v.accepted) for v in verdicts if v.proposed],
-                attn_groups=inp.attn_groups, budget_s=sched.budget_s, predicted_s=sched.predicted_s))
+                attn_groups=inp.attn_groups, budget_s=sched.budget_s, predicted_s=sched.predicted_s,
+                prompt_logprob_rows=0 if inp.prompt_rows is None else len(inp.prompt_rows)))
             for r in finished + beams_ended:
                 self.observer.on_finish(r)
         self.num_steps += 1
@@ -259,9 +264,11 @@ class EngineCore:
 
     @staticmethod
     def _delta(v: Verdict, before: int) -> RequestDelta:
-        """The tokens update() appended for a verdict (a stop may cut the accepted ones short)."""
+        """The tokens update() appended for a verdict (a stop may cut the accepted ones short); the prompt
+        logprobs with the first token."""
         req = v.request
         new = req.output_token_ids[before:]
         done = req.status is Status.FINISHED
         return RequestDelta(req.request_id, new, done, req.finish_reason if done else None, v.samples[:len(new)],
-                            stop_reason=req.stop_reason if done else None)
+                            stop_reason=req.stop_reason if done else None,
+                            prompt_logprobs=req.prompt_logprobs if before == 0 else None)

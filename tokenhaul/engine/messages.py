@@ -12,7 +12,8 @@ from tokenhaul.sampling_params import SamplingParams
 
 @dataclass
 class Sample:
-    """One sampled token and, when asked for, its logprob and the top alternatives."""
+    """One sampled token (or a prompt token, for prompt logprobs) and, when asked for, its logprob and the top
+    alternatives."""
 
     token: int
     logprob: float | None = None
@@ -30,6 +31,8 @@ class RequestDelta:
     samples: list[Sample] = field(default_factory=list)
     beams: list[tuple[list[int], float]] | None = None  # beam search: (token ids, score) of the best n
     stop_reason: int | None = None  # finished at this token of stop_token_ids (not at EOS)
+    prompt_logprobs: list[Sample | None] | None = None  # asked for: one per prompt token (None for the first),
+    #                                                    in the request's first delta only
 
 
 @dataclass(frozen=True)

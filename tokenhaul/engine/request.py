@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from tokenhaul.engine.messages import Sample
 from tokenhaul.kv.manager import KVHolder
 from tokenhaul.sampling_params import SamplingParams
 
@@ -48,10 +49,26 @@ class Request:
     draft_token_ids: list[int] = field(default_factory=list)  # proposed after the last token, to verify
     num_lookahead: int = 0  # KV slots to reserve past the scheduled tokens for the next proposal
     kv_heir: KVHolder | None = None  # at finish its blocks are forked here before being freed (tree search)
+    prompt_logprobs: list[Sample | None] | None = None  # asked for: one per prompt token collected so far
 
     def __post_init__(self) -> None:
         if self.params.seed is not None:
             self.generator = torch.Generator().manual_seed(self.params.seed)
+        if self.params.prompt_logprobs is not None:
+            self.prompt_logprobs = [None]  # the first prompt token follows nothing
+
+    @property
+    def needs_prompt_logprobs(self) -> bool:
+        """Prompt logprobs were asked for and some are still to compute (its prompt may not come from the
+        prefix cache: every position's logits are needed)."""
+        return self.prompt_logprobs is not None and len(self.prompt_logprobs) < len(self.prompt_token_ids)
+
+    def prompt_logprob_positions(self, start: int, num_tokens: int) -> range:
+        """Positions among [start, start + num_tokens) whose logits give a prompt logprob not yet collected
+        (position i predicts prompt token i + 1)."""
+        if self.prompt_logprobs is None:
+            return range(0)
+        return range(max(start, len(self.prompt_logprobs) - 1), min(start + num_tokens, len(self.prompt_token_ids) - 1))
 
     @property
     def all_token_ids(self) -> list[int]:

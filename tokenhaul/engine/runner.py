@@ -26,6 +26,9 @@ class ModelInput:
     attn_groups: list[tuple[int, list[int]]] = field(default_factory=list)  # (query length, KV length per sequence)
     decode: tuple[torch.Tensor, ...] | None = None  # a pure-decode step for the compiled graph: ids, positions,
     # slots, block table (engine/compiled_decode.py)
+    prompt_rows: torch.Tensor | None = None  # [M] rows whose hidden states give prompt logprobs (None: no such row)
+    prompt_chunks: list[ScheduledChunk] = field(default_factory=list)  # their chunks, in row order
+    #                                                                      (len(chunk.prompt_positions) rows each)
 
 
 class LoneDecodeInputs:
@@ -89,6 +92,8 @@ class ModelRunner:
         slot_parts: list[torch.Tensor] = []
         sample_rows: list[int] = []
         sample_chunks: list[ScheduledChunk] = []
+        prompt_rows: list[int] = []
+        prompt_chunks: list[ScheduledChunk] = []
         shapes: list[tuple[int, list[int]]] = []
         single = len(calls) == 1
         # a pure-decode step the compiled graph takes: it builds its own masks and reads every block in place
@@ -104,6 +109,9 @@ class ModelRunner:
                 if c.num_sampled:
                     sample_rows += range(row + q_len - c.num_sampled, row + q_len)
                     sample_chunks.append(c)
+                if c.prompt_positions:
+                    prompt_rows += [row - c.start + i for i in c.prompt_positions]
+                    prompt_chunks.append(c)
                 row += q_len
             starts = torch.tensor([c.start for c in chunks])
             q_pos = starts[:, None] + torch.arange(q_len)  # [B, q_len]
@@ -123,20 +131,24 @@ class ModelRunner:
         dev = self.device
         meta = AttentionMetadata(torch.tensor(pos, dtype=torch.long).to(dev), torch.cat(slot_parts).to(dev),
                                  [self._to(g) for g in groups], len(ids), self.per_query)
+        rows = torch.tensor(prompt_rows, dtype=torch.long, device=dev) if prompt_rows else None
         return ModelInput(torch.tensor(ids, dtype=torch.long, device=dev), meta,
-                          torch.tensor(sample_rows, dtype=torch.long, device=dev), sample_chunks, view_slots, shapes)
+                          torch.tensor(sample_rows, dtype=torch.long, device=dev), sample_chunks, view_slots, shapes,
+                          prompt_rows=rows, prompt_chunks=prompt_chunks)
 
     def forward(self, inp: ModelInput) -> torch.Tensor:
         """Run the model; return fp32 logits [N, vocab] for the sampling rows."""
         return self.forward_with_argmax(inp)[0]
 
     @torch.inference_mode()
-    def forward_with_argmax(self, inp: ModelInput) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """`forward`'s logits, and each row's argmax where the compiled step computed it (else None)."""
+    def forward_with_argmax(self, inp: ModelInput) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
+        """`forward`'s logits, each row's argmax where the compiled step computed it (else None), and the hidden
+        states [M, hidden] of the prompt rows (else None: decoding/prompt_logprobs.py turns them into logprobs)."""
         if inp.decode is not None:
-            return self.compiled.run(*inp.decode)
+            return (*self.compiled.run(*inp.decode), None)
         hidden = self.model.forward(inp.input_ids, inp.meta, self.kv)
-        return self.model.compute_logits(hidden[inp.sample_rows]), None
+        prompt = None if inp.prompt_rows is None else hidden[inp.prompt_rows]
+        return self.model.compute_logits(hidden[inp.sample_rows]), None, prompt
 
     def _lone_decode(self, c: ScheduledChunk) -> ModelInput:
         """One request's decode step for the compiled graph, written into LoneDecodeInputs from Python ints (the

@@ -42,13 +42,16 @@ class ScheduledChunk:
     num_drafts: int = 0  # draft tokens at the end of the chunk, verified this step
     num_sampled: int = 0  # last rows whose logits are sampled: 1 + num_drafts at the end of the known
     #                       tokens, 0 for a prompt chunk mid-way
+    prompt_positions: range = range(0)  # positions whose logits give prompt logprobs (engine/request.py)
 
 
 def chunk(req: Request, num_tokens: int) -> ScheduledChunk:
     """The chunk computing req's next num_tokens positions (its drafts included when they all fit)."""
     drafts = len(req.draft_token_ids)
-    reaches_end = req.num_computed_tokens + num_tokens == req.num_tokens + drafts
-    return ScheduledChunk(req, req.num_computed_tokens, num_tokens, drafts, 1 + drafts if reaches_end else 0)
+    start = req.num_computed_tokens
+    reaches_end = start + num_tokens == req.num_tokens + drafts
+    return ScheduledChunk(req, start, num_tokens, drafts, 1 + drafts if reaches_end else 0,
+                          req.prompt_logprob_positions(start, num_tokens))
 
 
 @dataclass
@@ -137,7 +140,7 @@ class Scheduler:
             i += 1
         while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs and not out.preempted:
             req = self.waiting[0]
-            computed = self.kv.match(req)
+            computed = self.kv.match(req, req.needs_prompt_logprobs)
             if req.num_preemptions == 0:
                 req.num_cached_tokens = computed
             n = min(req.num_tokens - computed, budget)
@@ -185,7 +188,7 @@ class Scheduler:
                 continue
             if not waiting and req.status is not Status.RUNNING:
                 continue
-            start = self.kv.match(req) if waiting else req.num_computed_tokens
+            start = self.kv.match(req, req.needs_prompt_logprobs) if waiting else req.num_computed_tokens
             if waiting and req.num_preemptions == 0:
                 req.num_cached_tokens = start
             remaining = req.num_tokens - start

@@ -59,10 +59,11 @@ class KVManager:
     def blocks_for(self, num_tokens: int) -> int:
         return -(-num_tokens // self.block_size)
 
-    def match(self, req: KVOwner) -> int:
+    def match(self, req: KVOwner, uncached: bool = False) -> int:
         """Give a request without blocks the longest cached prefix of its tokens (a reference on each
-        hit block); sets `num_computed_tokens` to the tokens covered and returns it."""
-        if not req.block_ids:
+        hit block); sets `num_computed_tokens` to the tokens covered and returns it. uncached: no cached
+        prefix, every token is computed (a request that needs the logits of every prompt position)."""
+        if not req.block_ids and not uncached:
             req.block_ids, req.block_hashes = self.prefix_cache.match(req.all_token_ids)
             req.num_computed_tokens = len(req.block_ids) * self.block_size
         return req.num_computed_tokens

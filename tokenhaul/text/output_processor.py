@@ -54,6 +54,9 @@ class OutputProcessor:
                 skip = self._params[d.request_id].skip_special_tokens
                 out.beams = [BeamOutput(ids, self.tokenizer.decode(_text_ids(ids, stop_ids), skip_special_tokens=skip),
                                         score) for ids, score in d.beams]
+            if d.prompt_logprobs is not None:
+                out.prompt_logprobs = [None if s is None else TokenLogprob(s.token, s.logprob, s.top_logprobs)
+                                       for s in d.prompt_logprobs]
             t1 = time.perf_counter()
             new = d.new_token_ids
             text, taken = detok.push_until_stop(_text_ids(new, stop_ids) if d.finish_reason == "stop" else new)
