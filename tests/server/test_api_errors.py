@@ -16,7 +16,7 @@ from tokenhaul.server.app import build_app
 from tokenhaul.server.protocol import ErrorResponse
 
 LONG = "word " * 400  # > 256 tokens: the scripted server's context
-CMPL, CHAT = "/v1/completions", "/v1/chat/completions"
+CMPL, CHAT, TOK, DETOK = "/v1/completions", "/v1/chat/completions", "/tokenize", "/detokenize"
 USER = [{"role": "user", "content": "hi"}]
 
 BAD = [
@@ -92,6 +92,30 @@ BAD = [
     (CHAT, {"messages": [{"role": "user", "content": LONG}]}, 400, "messages", "context_length_exceeded"),
     (CHAT, {"messages": USER, "max_completion_tokens": 250}, 400, "messages", "context_length_exceeded"),
     (CHAT, {"model": "other", "messages": USER}, 404, "model", "model_not_found"),
+    (TOK, {"model": "other", "prompt": "x"}, 404, "model", "model_not_found"),
+    (TOK, {"model": "other", "messages": USER}, 404, "model", "model_not_found"),
+    (DETOK, {"model": "other", "tokens": [1]}, 404, "model", "model_not_found"),
+    (TOK, b'{"prompt": "x", "x": NaN}', 400, None, "invalid_json"),
+    (TOK, {}, 400, "prompt", "missing"),  # a prompt, or messages
+    (TOK, [1], 400, None, None),
+    (TOK, {"prompt": 5}, 400, "prompt", "string_type"),
+    (TOK, {"prompt": ["x"]}, 400, "prompt", "string_type"),
+    (TOK, {"prompt": "x", "add_special_tokens": "yes"}, 400, "add_special_tokens", "bool_type"),
+    (TOK, {"prompt": "x", "return_token_strs": 1}, 400, "return_token_strs", "bool_type"),
+    (TOK, {"prompt": LONG * 30}, 400, "prompt", "context_length_exceeded"),  # too long to tokenize
+    (TOK, {"messages": "hi"}, 400, "messages", "list_type"),
+    (TOK, {"prompt": "x", "messages": USER}, 400, None, None),  # which one? refused, not one of them ignored
+    (TOK, {"messages": [{"content": "hi"}]}, 400, "messages.0.role", "missing"),
+    (TOK, {"messages": [{"role": "user", "content": [{"type": "image_url"}]}]}, 400, None, None),
+    (TOK, {"messages": USER, "continue_final_message": True}, 400, "continue_final_message", None),  # both true
+    (TOK, {"messages": USER, "add_generation_prompt": None}, 400, "add_generation_prompt", "bool_type"),
+    (DETOK, {}, 400, "tokens", "missing"),
+    (DETOK, {"tokens": 5}, 400, "tokens", "list_type"),
+    (DETOK, {"tokens": [1, "2"]}, 400, "tokens.1", "int_type"),
+    (DETOK, {"tokens": [1.0]}, 400, "tokens.0", "int_type"),
+    (DETOK, {"tokens": [True]}, 400, "tokens.0", "int_type"),
+    (DETOK, {"tokens": [5, 49152]}, 400, "tokens", None),  # SmolLM2: 49152 tokens
+    (DETOK, {"tokens": [-1]}, 400, "tokens", None),
 ]
 
 

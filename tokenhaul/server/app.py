@@ -1,5 +1,5 @@
-"""The HTTP face: the FastAPI app — OpenAI routes (completions, chat, models), /health, /metrics,
-and the error handlers that turn every refusal into an OpenAI error body."""
+"""The HTTP face: the FastAPI app — OpenAI routes (completions, chat, models), vLLM's /tokenize and
+/detokenize, /health, /metrics, and the error handlers that turn every refusal into an OpenAI error body."""
 
 from __future__ import annotations
 
@@ -27,6 +27,7 @@ from tokenhaul.server.guards import LOOPBACK_HOSTS, Guard, ServerOptions
 from tokenhaul.server.http_protocol import uvicorn_config
 from tokenhaul.server.metrics import CONTENT_TYPE
 from tokenhaul.server.openai_api import APIError, ClientGone, OpenAIHandlers, unknown_model
+from tokenhaul.server.tokenization import TokenizationHandlers
 
 _ERRORS: dict[int | str, dict[str, Any]] = {
     400: {"model": P.ErrorResponse, "description": "Invalid request"},
@@ -103,6 +104,7 @@ def build_app(engine: AsyncEngine, options: ServerOptions | None = None, manage_
         app.add_middleware(CORSMiddleware, allow_origins=list(options.allowed_origins),
                            allow_methods=["GET", "POST"], allow_headers=["authorization", "content-type"])
     api = OpenAIHandlers(engine)
+    tok = TokenizationHandlers(engine)
 
     @app.exception_handler(APIError)
     async def _api_error(request: Request, exc: APIError) -> JSONResponse:
@@ -176,6 +178,18 @@ def build_app(engine: AsyncEngine, options: ServerOptions | None = None, manage_
               responses={200: {"model": P.ChatCompletionResponse, "content": stream_doc}, **_ERRORS})
     async def chat_completions(body: P.ChatCompletionRequest, request: Request) -> Response:
         return await api.chat(body, request)
+
+    tok_errors = {k: _ERRORS[k] for k in (400, 401, 404, 413)}
+
+    @app.post("/tokenize", response_model=P.TokenizeResponse, responses=tok_errors)
+    async def tokenize(body: P.TokenizeRequest) -> dict:
+        """vLLM's: the token ids of a `prompt`, or of `messages` rendered as /v1/chat/completions renders them."""
+        return await tok.tokenize(body)
+
+    @app.post("/detokenize", response_model=P.DetokenizeResponse, responses=tok_errors)
+    async def detokenize(body: P.DetokenizeRequest) -> dict:
+        """vLLM's: the text of token ids."""
+        return await tok.detokenize(body)
 
     return app
 

@@ -57,6 +57,19 @@ def unknown_model(engine: AsyncEngine, model: str) -> APIError:
                     param="model", code="model_not_found")
 
 
+def check_model(engine: AsyncEngine, model: str | None) -> None:
+    """The served model's name, or none (null or "", as vLLM: the served model); else 404, counted as rejected."""
+    if model and model != engine.model_name:
+        engine.metrics.rejected.labels("model_not_found").inc()
+        raise unknown_model(engine, model)
+
+
+def refused(engine: AsyncEngine, e: TokenhaulError, prompt_param: str = "prompt") -> APIError:
+    """A request refused while it is read (sampling parameters, prompt), counted as rejected."""
+    engine.metrics.rejected.labels("invalid").inc()
+    return api_error(e, prompt_param)
+
+
 class ClientGone(Exception):
     """The client disconnected before a non-streamed response was ready; its requests are aborted."""
 
@@ -108,12 +121,6 @@ class OpenAIHandlers:
         self._frame_hist = engine.metrics.last_mile.labels("frame")
 
     # shared steps ----------------------------------------------------------------------------
-    def _check_model(self, model: str | None) -> None:
-        """The served model's name, or none (null or "", as vLLM: the served model); else 404."""
-        if model and model != self.engine.model_name:
-            self.engine.metrics.rejected.labels("model_not_found").inc()
-            raise unknown_model(self.engine, model)
-
     def _admit(self, prompts: list[list[int]], params: list, prefix: str, prompt_param: str) -> RequestStream:
         try:
             return self.engine.add_request(prompts, params, prefix)
@@ -121,11 +128,6 @@ class OpenAIHandlers:
             reason = {EngineOverloaded: "queue_full", EngineUnavailable: "unavailable"}.get(type(e), "invalid")
             self.engine.metrics.rejected.labels(reason).inc()
             raise api_error(e, prompt_param) from None
-
-    def _refused(self, e: TokenhaulError, prompt_param: str = "prompt") -> APIError:
-        """A request refused while it is read (sampling parameters, prompt), counted as rejected."""
-        self.engine.metrics.rejected.labels("invalid").inc()
-        return api_error(e, prompt_param)
 
     def token_text(self, token_id: int) -> str:
         s = self._token_text.get(token_id)
@@ -189,7 +191,7 @@ class OpenAIHandlers:
     # /v1/completions ---------------------------------------------------------------------------
     async def completions(self, body: P.CompletionRequest, request: Request) -> Response:
         e = self.engine
-        self._check_model(body.model)
+        check_model(e, body.model)
         try:
             body.check_unsupported()
             batch = _num_prompts(body.prompt)
@@ -200,7 +202,7 @@ class OpenAIHandlers:
             max_tokens = body.max_tokens if body.max_tokens is not None else 16
             per_prompt = [body.choice_params(max_tokens, body.logprobs) for _ in prompts]
         except TokenhaulError as err:
-            raise self._refused(err) from None
+            raise refused(e, err) from None
         params = [p for ps in per_prompt for p in ps]
         flat = [ids for ids, ps in zip(prompts, per_prompt) for _ in ps]
         num_choices = len(prompts) * body.n
@@ -296,7 +298,7 @@ class OpenAIHandlers:
     # /v1/chat/completions ----------------------------------------------------------------------
     async def chat(self, body: P.ChatCompletionRequest, request: Request) -> Response:
         e = self.engine
-        self._check_model(body.model)
+        check_model(e, body.model)
         try:
             body.check_unsupported()
             if body.top_logprobs is not None and not body.logprobs:
@@ -310,7 +312,7 @@ class OpenAIHandlers:
             lp = (body.top_logprobs or 0) if body.logprobs else None
             params = body.choice_params(max_tokens, lp)
         except TokenhaulError as err:
-            raise self._refused(err, "messages") from None
+            raise refused(e, err, "messages") from None
         rid = f"chatcmpl-{uuid.uuid4().hex}"
         stream = self._admit([prompt] * len(params), params, rid, "messages")
         created, model = int(time.time()), e.model_name

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import BaseModel, ConfigDict, Discriminator, Field, Tag, model_validator
 
 from tokenhaul.errors import RequestError
 from tokenhaul.sampling_params import SamplingParams
@@ -168,16 +168,20 @@ class ChatMessage(_Body):
         return out
 
 
+def _count_messages_first(data: Any) -> Any:
+    """Refuse too many messages before validating each of them (100 k would stall the server)."""
+    if isinstance(data, dict) and isinstance(data.get("messages"), list) and len(data["messages"]) > MAX_MESSAGES:
+        raise ValueError(f"messages: {len(data['messages'])} messages; at most {MAX_MESSAGES}")
+    return data
+
+
 class ChatCompletionRequest(_SamplingFields):
     messages: list[ChatMessage] = Field(min_length=1, max_length=MAX_MESSAGES)
 
     @model_validator(mode="before")
     @classmethod
     def _count_first(cls, data: Any) -> Any:
-        """Refuse too many messages before validating each of them (100 k would stall the server)."""
-        if isinstance(data, dict) and isinstance(data.get("messages"), list) and len(data["messages"]) > MAX_MESSAGES:
-            raise ValueError(f"messages: {len(data['messages'])} messages; at most {MAX_MESSAGES}")
-        return data
+        return _count_messages_first(data)
     logprobs: bool = False
     top_logprobs: int | None = None
     max_completion_tokens: int | None = None
@@ -203,6 +207,45 @@ class ChatCompletionRequest(_SamplingFields):
             raise RequestError("function_call is not supported")
         if self.top_logprobs is not None and not 0 <= self.top_logprobs <= MAX_TOP_LOGPROBS:
             raise RequestError(f"top_logprobs must be in [0, {MAX_TOP_LOGPROBS}], got {self.top_logprobs}")
+
+
+# /tokenize and /detokenize (vLLM's) ---------------------------------------------------------------
+class TokenizeCompletionRequest(_Body):
+    model: str | None = None
+    prompt: str
+    add_special_tokens: bool = Field(True, description="add the model's special tokens (e.g. BOS) to the prompt")
+    return_token_strs: bool | None = Field(False, description="also return each token's vocabulary string")
+
+
+class TokenizeChatRequest(_Body):
+    model: str | None = None
+    messages: list[ChatMessage] = Field(max_length=MAX_MESSAGES)
+    add_generation_prompt: bool = True
+    continue_final_message: bool = False
+    add_special_tokens: bool = Field(False, description="add special tokens on top of what the chat template adds")
+    return_token_strs: bool | None = Field(False, description="also return each token's vocabulary string")
+
+    @model_validator(mode="before")
+    @classmethod
+    def _check_first(cls, data: Any) -> Any:
+        """One prompt: messages or a prompt, not both (either would be ignored); not too many messages."""
+        if isinstance(data, dict) and "prompt" in data:
+            raise ValueError("prompt and messages: give one of them, not both")
+        return _count_messages_first(data)
+
+
+def _tokenize_kind(data: Any) -> str:
+    return "tokenize-chat" if isinstance(data, dict) and "messages" in data else "tokenize-prompt"
+
+
+# the tags hold '-' so that an error's location drops them (app._union_branch), naming the field as sent
+TokenizeRequest = Annotated[Annotated[TokenizeCompletionRequest, Tag("tokenize-prompt")]
+                            | Annotated[TokenizeChatRequest, Tag("tokenize-chat")], Discriminator(_tokenize_kind)]
+
+
+class DetokenizeRequest(_Body):
+    model: str | None = None
+    tokens: list[int]
 
 
 # responses ---------------------------------------------------------------------------------------
@@ -316,3 +359,14 @@ class ModelCard(BaseModel):
 class ModelList(BaseModel):
     object: Literal["list"]
     data: list[ModelCard]
+
+
+class TokenizeResponse(BaseModel):
+    count: int
+    max_model_len: int
+    tokens: list[int]
+    token_strs: list[str] | None = None  # with return_token_strs
+
+
+class DetokenizeResponse(BaseModel):
+    prompt: str
