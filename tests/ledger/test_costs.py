@@ -21,13 +21,16 @@ SCENARIOS = {
     "bf16-kv": dict(dtype="bf16", lengths=[7, 10]),  # decodes read their blocks in place (the C++ kernel)
     "bf16-kv-deterministic": dict(dtype="bf16", lengths=[7, 10], deterministic=True),  # gather converts to fp32
     "gemma-window-bf16": dict(arch="gemma3", dtype="bf16", lengths=[9, 4]),  # in place: local layers' window only
+    # prompt logprobs: the lm_head over every prompt position too, in chunks, beside a request without them
+    "prompt-logprobs": dict(lengths=[20, 11], max_num_batched_tokens=8, params=[
+        SamplingParams(max_tokens=8, temperature=0, ignore_eos=True, prompt_logprobs=2), GREEDY]),
 }
 
 
-def drive(core, ledger, lengths):
+def drive(core, ledger, lengths, params=None):
     """Run every request to the end, counting each step's traffic independently."""
     for i, n in enumerate(lengths):
-        core.add_request(f"r{i}", [(7 * i + 3 * j) % 90 + 1 for j in range(n)], GREEDY)
+        core.add_request(f"r{i}", [(7 * i + 3 * j) % 90 + 1 for j in range(n)], params[i] if params else GREEDY)
     inputs = []
     prepare = core.runner.prepare
     core.runner.prepare = lambda sched: inputs.append(prepare(sched)) or inputs[-1]
@@ -42,9 +45,9 @@ def drive(core, ledger, lengths):
 @pytest.mark.parametrize("name", SCENARIOS)
 def test_bytes_and_flops_equal_independent_count(ledger_core, name):
     kw = dict(SCENARIOS[name])
-    lengths = kw.pop("lengths")
+    lengths, params = kw.pop("lengths"), kw.pop("params", None)
     core, ledger = ledger_core(**kw)
-    rows = drive(core, ledger, lengths)
+    rows = drive(core, ledger, lengths, params)
     assert len(rows) >= 8
     for costs, tc, meta in rows:
         assert costs.weight_bytes == pytest.approx(tc.weight_bytes, rel=0.02)

@@ -14,6 +14,7 @@ from dataclasses import dataclass, field, fields
 
 import torch
 
+from tokenhaul.decoding.prompt_logprobs import ROWS as PROMPT_ROWS
 from tokenhaul.engine.attention_calls import attention_calls
 from tokenhaul.layers.attention import decodes_in_place
 from tokenhaul.models.config import ModelConfig
@@ -202,8 +203,9 @@ def _visible_slots(end: int, block_size: int, window: int | None) -> int:
 
 def step_costs(mc: ModelCosts, chunks: list[tuple[int, int]], num_sampled: int,
                kv_copy_tokens: int = 0, block_size: int = 1, view_slots: int = 0,
-               attn_groups: list[tuple[int, list[int]]] | None = None) -> StepCosts:
+               attn_groups: list[tuple[int, list[int]]] | None = None, prompt_logit_rows: int = 0) -> StepCosts:
     """chunks: (start position, tokens computed) per scheduled sequence, as the scheduler emitted them.
+    prompt_logit_rows: prompt positions whose logits gave prompt logprobs (lm_head over PROMPT_ROWS at a time).
 
     `attn_groups`: the attention calls the runner made, (query length, KV length of each sequence), as
     a StepRecord carries them. Without them (a step that never ran: the what-if model) they are derived
@@ -271,6 +273,7 @@ def step_costs(mc: ModelCosts, chunks: list[tuple[int, int]], num_sampled: int,
     lm_head = mc.lm_head_bytes if num_sampled else 0
     if 0 < num_sampled <= mc.lm_head_max_rows:  # a sparse lm_head: each sampled row reads its kept inputs' rows
         lm_head = round(mc.lm_head_bytes * num_sampled * (1 - mc.sparsity))
+    lm_head += mc.lm_head_bytes * -(-prompt_logit_rows // PROMPT_ROWS)  # dense: more than a few rows
     layer_bytes = mc.layer_weight_bytes
     for max_rows, row_bytes in mc.sparse_rows:  # gathered GEMVs: each row reads only its kept inputs' rows
         if T <= max_rows:
@@ -284,11 +287,11 @@ def step_costs(mc: ModelCosts, chunks: list[tuple[int, int]], num_sampled: int,
         kv_gather_bytes=gather,
         kv_copy_bytes=2 * kv_copy_tokens * kv_tok,
         activation_bytes=2 * T * mc.activation_values_per_token * mc.activation_itemsize,
-        logits_bytes=2 * num_sampled * c.vocab_size * 4,  # fp32, written by lm_head, read by the sampler
+        logits_bytes=2 * (num_sampled + prompt_logit_rows) * c.vocab_size * 4,  # fp32: lm_head → sampler
         metadata_bytes=meta,
         h2d_bytes=meta + mask_alias if on_device else 0,
         d2h_bytes=num_sampled * ID_BYTES if on_device else 0,
-        flops=2 * T * mc.layer_params + 2 * num_sampled * mc.lm_head_params
+        flops=2 * T * mc.layer_params + 2 * (num_sampled + prompt_logit_rows) * mc.lm_head_params
         + round(4 * attn * c.num_heads * c.head_dim * c.num_layers),  # linears; QK^T and PV
     )
 

@@ -171,7 +171,7 @@ class Ledger:
                 span.preemptions += 1  # its KV is gone; recompute shows as positions below `computed`
         logit_rows = len(set(record.sampled)) + sum(drafts.values())
         costs = step_costs(self.costs, pairs, logit_rows, record.kv_copy_tokens, record.kv_block_size,
-                           record.kv_view_slots, record.attn_groups or None)
+                           record.kv_view_slots, record.attn_groups or None, record.prompt_logprob_rows)
         if record.rejected_tokens:
             self._charge_rejected(record, rejected, tokens, logit_rows, costs)
         seconds = 0.0
