@@ -19,7 +19,7 @@ from tokenhaul.ledger.costs import ModelCosts
 from tokenhaul.ledger.ledger import Ledger
 from tokenhaul.models.catalog import DEFAULT_MODEL, resolve
 from tokenhaul.models.registry import Model, load_model
-from tokenhaul.outputs import RequestOutput
+from tokenhaul.outputs import BeamOutput, CompletionOutput, RequestOutput, TokenLogprob
 from tokenhaul.sampling_params import SamplingParams
 from tokenhaul.text.output_processor import OutputProcessor
 from tokenhaul.text.tokenizer import Tokenizer
@@ -110,9 +110,11 @@ class LLM:
                  sampling_params: SamplingParams | list[SamplingParams] | None = None, *,
                  fork_from: list[KVHolder | None] | None = None,
                  keep_kv: list[KVHolder | None] | None = None) -> list[RequestOutput]:
-        """Run every prompt through the engine core together; outputs in prompt order. fork_from / keep_kv
-        (per prompt, for tree search): start from KV held there; keep the KV when done (core.release).
-        `sampling_params`: one for all prompts or one per prompt (vLLM's name and meaning)."""
+        """Run every prompt through the engine core together; one output per prompt, in prompt order. fork_from /
+        keep_kv (per prompt, for tree search): start from KV held there; keep the KV when done (core.release).
+        `sampling_params`: one for all prompts or one per prompt (vLLM's name and meaning). n > 1 samples run as
+        n engine requests, sample i seeded seed + i as the HTTP server seeds its choices (see _fan_out), so the
+        two agree; their outputs fold back into the prompt's RequestOutput.outputs."""
         if isinstance(prompts, str) or (isinstance(prompts, list) and prompts and isinstance(prompts[0], int)):
             prompts = [prompts]
         params = sampling_params or SamplingParams()
@@ -123,15 +125,22 @@ class LLM:
         self.core.observer = ledger
         frontend = OutputProcessor(self.tokenizer, ledger)
         eos = tuple(self.tokenizer.eos_token_ids)
-        ids = []
+        ids = []  # every engine request of the call
+        groups = []  # per prompt: its request id and its engine requests' ids
         try:
             for i, (prompt, p) in enumerate(zip(prompts, plist)):
                 rid = f"gen-{next(self._ids)}"
                 token_ids = self.encode(prompt)
-                ids.append(rid)  # before it is added: a failure below aborts it with the others
-                self.core.add_request(rid, token_ids, p, eos, fork_from=fork_from[i] if fork_from else None,
-                                      keep_kv=keep_kv[i] if keep_kv else None)
-                frontend.add(rid, token_ids, p)
+                fan = _fan_out(p)
+                if len(fan) > 1 and keep_kv and keep_kv[i] is not None:
+                    raise RequestError(f"n={p.n} samples cannot keep their KV in one keep_kv holder")
+                sample_ids = [rid] if len(fan) == 1 else [f"{k}_{rid}" for k in range(len(fan))]  # vLLM's child ids
+                groups.append((rid, sample_ids))
+                for sid, sp in zip(sample_ids, fan):
+                    ids.append(sid)  # before it is added: a failure below aborts it with the others
+                    self.core.add_request(sid, token_ids, sp, eos, fork_from=fork_from[i] if fork_from else None,
+                                          keep_kv=keep_kv[i] if keep_kv else None)
+                    frontend.add(sid, token_ids, sp)
             with frozen_heap():
                 while self.core.has_unfinished():
                     step = self.core.num_steps
@@ -144,7 +153,8 @@ class LLM:
             raise
         finally:
             self.core.observer = None
-        outs = [frontend.release(r) for r in ids]
+        outs = [_fold(rid, [frontend.release(s) for s in sample_ids], p, eos)
+                for (rid, sample_ids), p in zip(groups, plist)]
         for o in outs:
             o.ledger = ledger
         return outs
@@ -155,3 +165,40 @@ class LLM:
         convs = [messages] if messages and isinstance(messages[0], dict) else messages
         prompts = [self.tokenizer.apply_chat_template(c) for c in convs]
         return self.generate([self.tokenizer.encode(p, add_special_tokens=False) for p in prompts], sampling_params)
+
+
+def _fan_out(p: SamplingParams) -> list[SamplingParams]:
+    """The engine requests of one prompt: one, or with n > 1 samples one per sample, n=1 and sample i seeded
+    (seed + i) mod 2**63, as the HTTP server seeds choice i (server/protocol.py). A beam search is one request."""
+    if p.n == 1 or p.use_beam_search:
+        return [p]
+    return [dataclasses.replace(p, n=1, seed=None if p.seed is None else (p.seed + i) % 2**63) for i in range(p.n)]
+
+
+def _fold(request_id: str, samples: list[RequestOutput], p: SamplingParams, eos: tuple[int, ...]) -> RequestOutput:
+    """One prompt's output: its first sample's (its text, token_ids, ... are outputs[0]'s) under the prompt's
+    request id, with every sample, or every returned beam, in outputs."""
+    out = samples[0]
+    if out.beams is not None:
+        out.outputs = [_beam_output(k, b, p, eos) for k, b in enumerate(out.beams)]
+    else:
+        out.outputs = [CompletionOutput(k, s.text, s.token_ids, _sum_logprobs(s.logprobs), s.logprobs,
+                                        s.finish_reason, s.stop_reason) for k, s in enumerate(samples)]
+    out.request_id = request_id
+    return out
+
+
+def _beam_output(index: int, beam: BeamOutput, p: SamplingParams, eos: tuple[int, ...]) -> CompletionOutput:
+    """A returned beam: it ended at a stop token (EOS unless ignore_eos, or one of stop_token_ids) or else at
+    the length limit, as the server tells its beam choices; cumulative_logprob is its score undone of
+    length_penalty, the sum of its logprobs."""
+    last = beam.token_ids[-1] if beam.token_ids else None
+    eos = () if p.ignore_eos else eos
+    stop_id = last if last in p.stop_token_ids and last not in eos else None
+    reason = "stop" if last in eos or stop_id is not None else "length"
+    total = beam.score * len(beam.token_ids) ** p.length_penalty
+    return CompletionOutput(index, beam.text, list(beam.token_ids), total, None, reason, stop_id)
+
+
+def _sum_logprobs(logprobs: list[TokenLogprob] | None) -> float | None:
+    return None if logprobs is None else sum(t.logprob for t in logprobs)

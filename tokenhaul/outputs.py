@@ -1,4 +1,5 @@
-"""RequestOutput: what the front end hands to users (text, ids, reason, logprobs, ledger)."""
+"""RequestOutput: what the front end hands to users (text, ids, reason, logprobs, ledger), and its
+CompletionOutputs: the n samples or beams of one prompt (vLLM's `out.outputs[i]`)."""
 
 from __future__ import annotations
 
@@ -23,6 +24,21 @@ class BeamOutput:
 
 
 @dataclass
+class CompletionOutput:
+    """One completion of a request, as vLLM's: a sample, or one returned beam of a beam search."""
+
+    index: int
+    text: str
+    token_ids: list[int]
+    # the sum of the tokens' logprobs: None unless logprobs were asked; for a beam, its score × generated
+    # length ** length_penalty (BeamOutput.score is the sum divided by that), vLLM's cumulative logprob of a beam
+    cumulative_logprob: float | None
+    logprobs: list[TokenLogprob] | None
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+
+
+@dataclass
 class RequestOutput:
     request_id: str
     prompt_token_ids: list[int]
@@ -35,4 +51,7 @@ class RequestOutput:
     logprobs: list[TokenLogprob] | None = None
     prompt_logprobs: list[TokenLogprob | None] | None = None  # per prompt token, None for the first (vLLM's)
     beams: list[BeamOutput] | None = None  # beam search: the best n, best first (token_ids/text are beams[0]'s)
+    # vLLM's: the n samples, or the returned beams best first; text, token_ids, ... above are outputs[0]'s
+    # (filled by LLM.generate)
+    outputs: list[CompletionOutput] = field(default_factory=list)
     ledger: Any = None  # tokenhaul.ledger.Ledger of the generate call, set by LLM.generate
