@@ -191,3 +191,20 @@ def test_logit_bias_flag_repeats():
     assert sampling_params(parse(["generate", "--prompt", "x"])).logit_bias == {}
     args = parse(["generate", "--prompt", "x", "--logit-bias", "42=-100", "--logit-bias", "7=2.5"])
     assert sampling_params(args).logit_bias == {42: -100.0, 7: 2.5}
+
+
+@pytest.mark.real_model
+def test_generate_n_samples_and_prompt_logprobs(capsys):
+    """--n 3 prints every sample (and lists them in --json); --prompt-logprobs gives one entry per prompt token."""
+    base = ["generate", "--prompt", "The capital of France is", "--max-tokens", "3", "--temperature", "1",
+            "--seed", "5", "--ignore-eos", "--n", "3", "--prompt-logprobs", "1"]
+    code, out, _ = run_cli(capsys, *base, "--json")
+    obj = json.loads(out)
+    assert code == 0 and [o["index"] for o in obj["outputs"]] == [0, 1, 2]
+    assert obj["outputs"][0]["token_ids"] == obj["token_ids"]
+    pl = obj["prompt_logprobs"]
+    assert len(pl) == len(obj["prompt_token_ids"]) and pl[0] is None
+    assert [e["token_id"] for e in pl[1:]] == obj["prompt_token_ids"][1:] and all(len(e["top"]) == 1 for e in pl[1:])
+    code, out, err = run_cli(capsys, *base)
+    assert code == 0 and "[sample 2]" in out and "[sample 3]" in out
+    assert err.count("[prompt logprob]") == len(pl) - 1

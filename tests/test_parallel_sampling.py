@@ -93,3 +93,14 @@ def test_bad_n_is_refused(smollm):
     with pytest.raises(RequestError, match="keep_kv"):  # n samples cannot all keep their KV in one holder
         smollm.generate([FRANCE, STORY], SAMPLED, keep_kv=[None, KVHolder()])
     assert not smollm.core.has_unfinished() and smollm.core.pool.num_used == 0  # the first prompt's samples too
+
+
+def test_prompt_logprobs_are_computed_once_for_n_samples(smollm):
+    """The n samples share one prompt: only sample 0 asks for its prompt logprobs (the ledger's extra lm_head
+    rows are one prompt's), and they equal a single request's."""
+    p = replace(SAMPLED, prompt_logprobs=1)
+    out = smollm.generate(FRANCE, p)[0]
+    single = smollm.generate(FRANCE, replace(p, n=1))[0]
+    assert len(out.outputs) == 3 and out.prompt_logprobs == single.prompt_logprobs
+    assert len(out.prompt_logprobs) == len(out.prompt_token_ids) and out.prompt_logprobs[0] is None
+    assert sum(s.record.prompt_logprob_rows for s in out.ledger.steps) == len(out.prompt_token_ids) - 1

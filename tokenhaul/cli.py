@@ -122,26 +122,40 @@ def cmd_generate(args: argparse.Namespace, chat: bool = False) -> None:
         out = llm.chat([{"role": "user", "content": args.prompt}], params)[0]
     else:
         out = llm.generate(args.prompt, params)[0]
-    logprobs = [{"token": llm.tokenizer.decode([lp.token_id], skip_special_tokens=False), "token_id": lp.token_id,
-                 "logprob": lp.logprob, "top": [[tid, v] for tid, v in lp.top or []]}
-                for lp in out.logprobs or []] if params.logprobs is not None else None
+    logprobs = _logprob_rows(llm, out.logprobs) if params.logprobs is not None else None
+    prompt_logprobs = (None if out.prompt_logprobs is None else
+                       [None] + _logprob_rows(llm, out.prompt_logprobs[1:]))
     if args.json:
         print(json.dumps({"text": out.text, "token_ids": out.token_ids, "logprobs": logprobs,
-                          "prompt_token_ids": out.prompt_token_ids, "finish_reason": out.finish_reason,
-                          "stop_reason": out.stop_reason,
+                          "prompt_token_ids": out.prompt_token_ids, "prompt_logprobs": prompt_logprobs,
+                          "finish_reason": out.finish_reason, "stop_reason": out.stop_reason,
                           "beams": [{"text": b.text, "token_ids": b.token_ids, "score": b.score}
                                     for b in out.beams or []],
+                          "outputs": [{"index": o.index, "text": o.text, "token_ids": o.token_ids,
+                                       "cumulative_logprob": o.cumulative_logprob, "finish_reason": o.finish_reason,
+                                       "stop_reason": o.stop_reason} for o in out.outputs],
                           "ledger": out.ledger.summary() | {"load_seconds": load_s}}, ensure_ascii=False))
         return
     print(out.text)
-    for e in logprobs or []:
-        top = "  ".join(f"{llm.tokenizer.decode([t], skip_special_tokens=False)!r} {v:.3f}" for t, v in e["top"])
-        print(f"[logprob] {e['token']!r} {e['logprob']:.3f}" + (f"  | top: {top}" if top else ""), file=sys.stderr)
+    for label, rows in (("prompt logprob", (prompt_logprobs or [None])[1:]), ("logprob", logprobs or [])):
+        for e in rows:
+            top = "  ".join(f"{llm.tokenizer.decode([t], skip_special_tokens=False)!r} {v:.3f}" for t, v in e["top"])
+            print(f"[{label}] {e['token']!r} {e['logprob']:.3f}" + (f"  | top: {top}" if top else ""),
+                  file=sys.stderr)
     for i, b in enumerate((out.beams or [])[1:], 2):
         print(f"\n[beam {i}] score {b.score:.4f}\n{b.text}")
+    if out.beams is None:  # n > 1 samples
+        for o in out.outputs[1:]:
+            print(f"\n[sample {o.index + 1}] finish={o.finish_reason}\n{o.text}")
     if args.ledger:
         print(f"\n[ledger] {options_line(llm)} | {out.ledger.short_line()} | "
               f"finish={out.finish_reason}", file=sys.stderr)
+
+
+def _logprob_rows(llm, logprobs: list) -> list[dict]:
+    """TokenLogprobs as --json and the stderr lines show them: the token's text, id, logprob and top pairs."""
+    return [{"token": llm.tokenizer.decode([lp.token_id], skip_special_tokens=False), "token_id": lp.token_id,
+             "logprob": lp.logprob, "top": [[tid, v] for tid, v in lp.top or []]} for lp in logprobs or []]
 
 
 def cmd_models(args: argparse.Namespace) -> None:

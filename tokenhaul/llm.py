@@ -169,10 +169,13 @@ class LLM:
 
 def _fan_out(p: SamplingParams) -> list[SamplingParams]:
     """The engine requests of one prompt: one, or with n > 1 samples one per sample, n=1 and sample i seeded
-    (seed + i) mod 2**63, as the HTTP server seeds choice i (server/protocol.py). A beam search is one request."""
+    (seed + i) mod 2**63, as the HTTP server seeds choice i (server/protocol.py); prompt logprobs are asked of
+    sample 0 only (the same prompt for all). A beam search is one request."""
     if p.n == 1 or p.use_beam_search:
         return [p]
-    return [dataclasses.replace(p, n=1, seed=None if p.seed is None else (p.seed + i) % 2**63) for i in range(p.n)]
+    return [dataclasses.replace(p, n=1, seed=None if p.seed is None else (p.seed + i) % 2**63,
+                                prompt_logprobs=p.prompt_logprobs if i == 0 else None)  # one prompt: once
+            for i in range(p.n)]
 
 
 def _fold(request_id: str, samples: list[RequestOutput], p: SamplingParams, eos: tuple[int, ...]) -> RequestOutput:
