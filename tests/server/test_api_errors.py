@@ -45,7 +45,7 @@ BAD = [
     (CMPL, {"prompt": "x", "n": 1000}, 400, "n", "less_than_equal"),
     (CMPL, {"prompt": "x", "logprobs": 50}, 400, "logprobs", None),
     (CMPL, {"prompt": "x", "presence_penalty": 9}, 400, "presence_penalty", None),
-    (CMPL, {"prompt": "x", "echo": True, "logprobs": 1}, 400, "echo", None),  # no prompt logprobs
+    (CMPL, {"prompt": "x", "echo": True, "logprobs": 21}, 400, "logprobs", None),  # echo's k is logprobs'
     (CMPL, {"prompt": "x", "speculative": "medusa"}, 400, None, None),
     (CMPL, {"prompt": "x", "num_speculative_tokens": 99}, 400, None, None),
     (CMPL, {"prompt": "x", "speculative": "draft"}, 400, None, None),  # no draft model: refused at admission
@@ -73,13 +73,25 @@ BAD = [
     (CHAT, {"messages": USER, "logprobs": True, "top_logprobs": -1}, 400, "top_logprobs", None),
     (CHAT, {"messages": USER, "stream": False, "stream_options": {}}, 400, "stream_options", None),
     (CHAT, {"messages": USER, "max_tokens": 4, "min_tokens": 5}, 400, "min_tokens", None),
-    (CHAT, {"messages": USER, "prompt_logprobs": 1}, 400, "prompt_logprobs", None),  # vLLM extras not served
-    (CHAT, {"messages": USER, "echo": True}, 400, "echo", None),
+    (CHAT, {"messages": USER, "prompt_logprobs": 21}, 400, "prompt_logprobs", None),  # as logprobs: in [0, 20]
+    (CHAT, {"messages": USER, "prompt_logprobs": -1}, 400, "prompt_logprobs", None),
+    (CHAT, {"messages": USER, "prompt_logprobs": "1"}, 400, "prompt_logprobs", "int_type"),
+    (CHAT, {"messages": USER, "prompt_logprobs": True}, 400, "prompt_logprobs", "int_type"),
+    (CHAT, {"messages": USER, "prompt_logprobs": 1, "stream": True}, 400, "prompt_logprobs", None),  # vLLM's rule
+    (CHAT, {"messages": USER, "prompt_logprobs": 1, "use_beam_search": True, "stream": False}, 400,
+     "use_beam_search", None),
+    (CHAT, {"messages": USER, "echo": True}, 400, "echo", None),  # vLLM extras not served
     (CHAT, {"messages": USER, "guided_choice": ["a", "b"]}, 400, "guided_choice", None),
     (CHAT, {"messages": USER, "structured_outputs": {"regex": "[ab]"}}, 400, "structured_outputs", None),
     (CMPL, {"prompt": "x", "guided_json": {"type": "object"}}, 400, "guided_json", None),
     (CMPL, {"prompt": "x", "response_format": {"type": "json_object"}}, 400, "response_format", None),
-    (CMPL, {"prompt": "x", "prompt_logprobs": 1}, 400, "prompt_logprobs", None),
+    (CMPL, {"prompt": "x", "prompt_logprobs": 21}, 400, "prompt_logprobs", None),
+    (CMPL, {"prompt": "x", "prompt_logprobs": -1}, 400, "prompt_logprobs", None),
+    (CMPL, {"prompt": "x", "prompt_logprobs": -1, "echo": True, "logprobs": 2}, 400, "prompt_logprobs", None),  # not
+    # hidden by echo's larger k
+    (CMPL, {"prompt": "x", "prompt_logprobs": 2.0}, 400, "prompt_logprobs", "int_type"),
+    (CMPL, {"prompt": "x", "prompt_logprobs": [1]}, 400, "prompt_logprobs", "int_type"),
+    (CMPL, {"prompt": "x", "prompt_logprobs": 2, "stream": True}, 400, "prompt_logprobs", None),
     (CMPL, {"prompt": "x", "truncate_prompt_tokens": 10}, 400, "truncate_prompt_tokens", None),
     (CHAT, {"messages": USER, "response_format": {"type": "json_object"}}, 400, None, None),  # not ignored
     (CHAT, {"messages": USER, "tools": [{"type": "function", "function": {"name": "f"}}]}, 400, None, None),

@@ -60,9 +60,12 @@ class GenerationDelta:
     finished: bool = False
     finish_reason: str | None = None
     stop_reason: int | str | None = None  # the stop string matched, or the stop token id
+    # asked for: one per prompt token (None for the first), in the request's first delta only
+    prompt_logprobs: list[TokenLogprob | None] | None = None
 
     def merge(self, later: GenerationDelta) -> None:
         """Append a later delta of the same request (the reader was slower than the engine)."""
+        self.prompt_logprobs = self.prompt_logprobs or later.prompt_logprobs
         self.text += later.text
         self.token_ids += later.token_ids
         if self.logprobs is not None and later.logprobs is not None:
@@ -382,6 +385,7 @@ class AsyncEngine:
             new_ids = o.token_ids[e.num_seen:]
             lps = o.logprobs[e.num_seen:] if o.logprobs is not None else None
             e.num_seen = len(o.token_ids)
+            prompt_lps = o.prompt_logprobs if e.first_t is None else None  # they came with the first token
             if e.first_t is None:
                 e.first_t = now
                 self._num_waiting -= 1
@@ -392,7 +396,7 @@ class AsyncEngine:
             beams = [self._beam_delta(b, e) for b in o.beams[1:]] if o.beams is not None else None
             m.generation_tokens.inc(len(new_ids) + sum(len(b.token_ids) for b in beams or ()))  # every choice's
             e.stream._put(e.index, GenerationDelta(o.delta_text, new_ids, lps, e.num_prompt_tokens, e.num_seen,
-                                                   o.finished, o.finish_reason, o.stop_reason), beams)
+                                                   o.finished, o.finish_reason, o.stop_reason, prompt_lps), beams)
             if o.finished:
                 self._ended(self._entries.pop(o.request_id))
                 self.processor.release(o.request_id)

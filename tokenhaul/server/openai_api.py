@@ -19,6 +19,7 @@ from fastapi import Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from tokenhaul.errors import CapacityError, RequestError, TokenhaulError
+from tokenhaul.outputs import TokenLogprob
 from tokenhaul.server import protocol as P
 from tokenhaul.server.async_engine import (
     AsyncEngine,
@@ -33,6 +34,8 @@ from tokenhaul.server.async_engine import (
 MAX_CHOICES = 64  # prompts × n per call
 REPLICA_HEADER = "x-tokenhaul-replica"  # which engine replica served the call (as routed at admission)
 _FIELDS = set(P.ChatCompletionRequest.model_fields) | set(P.CompletionRequest.model_fields) | set(P.REFUSED_EXTRAS)
+# one completions logprobs row: token id, logprob (None: the prompt's first token), the k best, its bytes in the text
+_Row = tuple[int, float | None, list[tuple[int, float]] | None, bytes]
 
 
 class APIError(Exception):
@@ -102,8 +105,10 @@ class _Choice:
     logprobs: list = field(default_factory=list)
     finish_reason: str | None = None
     stop_reason: int | str | None = None
+    prompt_logprobs: list[TokenLogprob | None] | None = None
 
     def add(self, d: GenerationDelta) -> None:
+        self.prompt_logprobs = self.prompt_logprobs or d.prompt_logprobs
         self.text += d.text
         self.num_tokens = d.num_output_tokens
         self.logprobs += d.logprobs or []
@@ -200,7 +205,12 @@ class OpenAIHandlers:
             prompts = await self._completion_prompts(body.prompt)
             echoes = await self._echo_texts(body, prompts) if body.echo else None
             max_tokens = body.max_tokens if body.max_tokens is not None else 16
-            per_prompt = [body.choice_params(max_tokens, body.logprobs) for _ in prompts]
+            echo_k = body.logprobs if body.echo else None  # echo's logprobs cover the prompt too
+            # vLLM's prompt_logprobs, else echo's k (its to_sampling_params); no stream chunk carries them
+            shown_k = None if body.stream else body.prompt_logprobs if body.prompt_logprobs is not None else echo_k
+            engine_k = max((k for k in (shown_k, echo_k) if k is not None), default=None)
+            per_prompt = [body.choice_params(max_tokens, body.logprobs, engine_k, every_choice=body.stream)
+                          for _ in prompts]
         except TokenhaulError as err:
             raise refused(e, err) from None
         params = [p for ps in per_prompt for p in ps]
@@ -211,8 +221,17 @@ class OpenAIHandlers:
         created, model = int(time.time()), e.model_name
         n_prompt = sum(len(p) for p in prompts)
         want_lp = body.logprobs is not None
+        k = body.logprobs or 0
         offsets = _TextOffsets(num_choices)
         out_tokens = [0] * num_choices
+        shown = [self._echoed_bytes(body, ids) for ids in prompts] if echo_k is not None else []
+
+        def echo_rows(i: int, prompt_lps: list[TokenLogprob | None] | None) -> list[_Row]:
+            """Choice i's prompt tokens as logprobs rows (no logprobs if none came: the request ended first)."""
+            ids = prompts[i // body.n]
+            plps = prompt_lps or [None] * len(ids)
+            return [(tid, None if p is None else p.logprob, None if p is None else (p.top or [])[:k], b)
+                    for tid, p, b in zip(ids, plps, shown[i // body.n])]
 
         def usage() -> dict:
             done = sum(out_tokens)
@@ -223,12 +242,19 @@ class OpenAIHandlers:
             choices = []
             for i, c in enumerate(acc):
                 out_tokens[i] = c.num_tokens
-                lp = self._completion_logprobs(c.logprobs, offsets, i) if want_lp else None
+                prompt_lps = acc[i - i % body.n].prompt_logprobs  # the prompt's first choice asked for them
+                lp = None
+                if want_lp:
+                    head = echo_rows(i, prompt_lps) if echo_k is not None else []
+                    lp = self._completion_logprobs(head + self._rows(c.logprobs), offsets, i)
                 text = c.text if echoes is None else echoes[i // body.n] + c.text
                 choices.append({"index": i, "text": text, "logprobs": lp, "finish_reason": c.finish_reason,
-                                "stop_reason": c.stop_reason})
+                                "stop_reason": c.stop_reason,
+                                "prompt_logprobs": self._prompt_logprobs(prompt_lps, shown_k)})
             return JSONResponse({"id": rid, "object": "text_completion", "created": created, "model": model,
                                  "choices": choices, "usage": usage()}, headers={REPLICA_HEADER: stream.replica})
+
+        unechoed = set(range(num_choices)) if echo_k is not None else set()
 
         def frames(items: list[tuple[int, GenerationDelta]]) -> list[dict]:
             choices = []
@@ -236,8 +262,15 @@ class OpenAIHandlers:
                 out_tokens[i] = d.num_output_tokens
                 if not d.text and not d.finished and not want_lp:
                     continue  # held back (stop-string prefix or incomplete character): nothing to say
-                lp = self._completion_logprobs(d.logprobs or [], offsets, i) if want_lp else None
-                choices.append({"index": i, "text": d.text, "logprobs": lp,
+                text, lp = d.text, None
+                if i in unechoed:  # echo with logprobs: the prompt and its logprobs with the first token (vLLM)
+                    unechoed.discard(i)
+                    text = echoes[i // body.n] + text
+                    lp = self._completion_logprobs(echo_rows(i, d.prompt_logprobs) + self._rows(d.logprobs or []),
+                                                   offsets, i)
+                elif want_lp:
+                    lp = self._completion_logprobs(self._rows(d.logprobs or []), offsets, i)
+                choices.append({"index": i, "text": text, "logprobs": lp,
                                 "finish_reason": d.finish_reason if d.finished else None,
                                 "stop_reason": d.stop_reason})
             if not choices:
@@ -252,7 +285,7 @@ class OpenAIHandlers:
                      "choices": [], "usage": usage()}]
 
         head = None
-        if echoes is not None:  # each choice's prompt first, as its own chunk
+        if echoes is not None and echo_k is None:  # each choice's prompt first, as its own chunk
             head = [{"id": rid, "object": "text_completion", "created": created, "model": model,
                      "choices": [{"index": i, "text": echoes[i // body.n], "logprobs": None, "finish_reason": None,
                                   "stop_reason": None} for i in range(num_choices)]}]
@@ -283,17 +316,62 @@ class OpenAIHandlers:
             self.engine.limits.check_token_ids(p)
         return [list(p) for p in prompts]
 
-    def _completion_logprobs(self, lps: list, offsets: _TextOffsets, i: int) -> dict:
+    def _echoed_bytes(self, body: P.CompletionRequest, ids: list[int]) -> list[bytes]:
+        """Each prompt token's bytes in its echoed text: a text prompt is echoed as sent (without the BOS or EOS the
+        tokenizer added), a prompt of ids decoded (without its special tokens, unless skip_special_tokens is false)."""
+        tok = self.engine.tokenizer
+        data = [self.token_bytes(t) for t in ids]
+        if isinstance(body.prompt, str) or isinstance(body.prompt[0], str):
+            if tok.add_bos and tok.bos_token_id is not None:
+                data[0] = b""
+            if tok.meta.add_eos and tok.eos_token_ids:
+                data[-1] = b""
+            return data
+        return [b"" if body.skip_special_tokens and tok.is_special(t) else b for t, b in zip(ids, data)]
+
+    def _rows(self, lps: list[TokenLogprob]) -> list[_Row]:
+        return [(t.token_id, _finite(t.logprob), t.top, self.token_bytes(t.token_id)) for t in lps]
+
+    def _completion_logprobs(self, rows: list[_Row], offsets: _TextOffsets, i: int) -> dict:
+        """OpenAI's completions logprobs of choice i: tokens, logprobs, the k best (and the token) by text, and where
+        each token's text starts in the choice's text."""
         tokens, values, tops, text_offset = [], [], [], []
-        for lp in lps:
-            t = self.token_text(lp.token_id)
+        for token_id, value, top, data in rows:
+            t = self.token_text(token_id)
             tokens.append(t)
-            values.append(_finite(lp.logprob))
-            top = {self.token_text(tid): _finite(v) for tid, v in lp.top or []}
-            top[t] = values[-1]  # and the sampled token, where it is not among the k (vLLM; up to k + 1 entries)
-            tops.append(top)
-            text_offset.append(offsets.advance(i, self.token_bytes(lp.token_id)))
+            text_offset.append(offsets.advance(i, data))
+            if value is None:  # the prompt's first token: nothing before it to predict it (OpenAI, vLLM)
+                values.append(None)
+                tops.append(None)
+                continue
+            values.append(_finite(value))
+            best = {self.token_text(tid): _finite(v) for tid, v in top or []}
+            best[t] = values[-1]  # and the token, where it is not among the k (vLLM; up to k + 1 entries)
+            tops.append(best)
         return {"tokens": tokens, "token_logprobs": values, "top_logprobs": tops, "text_offset": text_offset}
+
+    def _prompt_logprobs(self, lps: list[TokenLogprob | None] | None, k: int | None) -> list[dict | None] | None:
+        """vLLM's prompt_logprobs (None unless k): per prompt token, token id → {logprob, rank, decoded_token} of
+        the token itself, then of the k most likely (ranks 1..k; the token among them is one key, ranked there).
+        The engine ranks only those k, so a prompt token outside them has rank None where vLLM counts the
+        vocabulary above it (that needs the full logprobs row, which only the engine holds)."""
+        if k is None or lps is None:
+            return None
+        out: list[dict | None] = []
+        for lp in lps:
+            if lp is None:
+                out.append(None)
+                continue
+            top = (lp.top or [])[:k]
+            rank = next((r for r, (tid, _) in enumerate(top, 1) if tid == lp.token_id), None)
+            entries = {str(lp.token_id): self._prompt_entry(lp.token_id, lp.logprob, rank)}
+            for r, (tid, v) in enumerate(top, 1):
+                entries.setdefault(str(tid), self._prompt_entry(tid, v, r))
+            out.append(entries)
+        return out
+
+    def _prompt_entry(self, token_id: int, logprob: float, rank: int | None) -> dict:
+        return {"logprob": _finite(logprob), "rank": rank, "decoded_token": self.token_text(token_id)}
 
     # /v1/chat/completions ----------------------------------------------------------------------
     async def chat(self, body: P.ChatCompletionRequest, request: Request) -> Response:
@@ -310,7 +388,8 @@ class OpenAIHandlers:
                 room = min(e.limits.max_model_len, e.limits.num_blocks * e.limits.block_size) - len(prompt)
                 max_tokens = max(1, room)
             lp = (body.top_logprobs or 0) if body.logprobs else None
-            params = body.choice_params(max_tokens, lp)
+            shown_k = None if body.stream else body.prompt_logprobs  # no stream chunk carries them (vLLM)
+            params = body.choice_params(max_tokens, lp, shown_k)
         except TokenhaulError as err:
             raise refused(e, err, "messages") from None
         rid = f"chatcmpl-{uuid.uuid4().hex}"
@@ -332,7 +411,9 @@ class OpenAIHandlers:
                                 "logprobs": {"content": self._chat_logprobs(c.logprobs)} if want_lp else None,
                                 "finish_reason": c.finish_reason, "stop_reason": c.stop_reason})
             return JSONResponse({"id": rid, "object": "chat.completion", "created": created, "model": model,
-                                 "choices": choices, "usage": usage()}, headers={REPLICA_HEADER: stream.replica})
+                                 "choices": choices, "usage": usage(),
+                                 "prompt_logprobs": self._prompt_logprobs(acc[0].prompt_logprobs, shown_k)},
+                                headers={REPLICA_HEADER: stream.replica})
 
         def chunk(choices: list[dict]) -> dict:
             return {"id": rid, "object": "chat.completion.chunk", "created": created, "model": model,

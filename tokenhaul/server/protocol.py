@@ -18,12 +18,12 @@ MAX_STOP = 16  # stop strings per request
 MAX_STOP_CHARS = 256  # characters per stop string
 MAX_STOP_TOKEN_IDS = 256
 MAX_MESSAGES = 1024  # chat messages per request
-MAX_TOP_LOGPROBS = 20  # OpenAI's bound on chat's top_logprobs
+MAX_TOP_LOGPROBS = 20  # OpenAI's bound on chat's top_logprobs, and vLLM's on prompt_logprobs here
 StopText = Annotated[str, Field(max_length=MAX_STOP_CHARS)]
 NULL_IS_DEFAULT = ("n", "stream", "echo", "logprobs")  # OpenAI's nullable fields typed here without None
 # vLLM's request extras that change the output, which tokenhaul does not serve: refused when set, not ignored
 REFUSED_EXTRAS = ("guided_json", "guided_regex", "guided_choice", "guided_grammar",
-                  "structured_outputs", "prompt_logprobs", "allowed_token_ids", "bad_words", "truncate_prompt_tokens",
+                  "structured_outputs", "allowed_token_ids", "bad_words", "truncate_prompt_tokens",
                   "echo")  # echo: chat's only (a completions field)
 
 
@@ -68,6 +68,8 @@ class _SamplingFields(_Body):
     num_speculative_tokens: int | None = None
     logit_bias: dict[str, float] | None = Field(
         None, description="token id (a string, as OpenAI sends it) → bias in [-100, 100] added to its logit")
+    prompt_logprobs: int | None = Field(
+        None, description="vLLM's: each prompt token's logprob and the k most likely tokens there (not streamed)")
 
     @model_validator(mode="before")
     @classmethod
@@ -89,15 +91,25 @@ class _SamplingFields(_Body):
         for name, value in (self.model_extra or {}).items():
             if name in REFUSED_EXTRAS and value not in (None, False, 0, "", [], {}):
                 raise RequestError(f"{name} is not supported")
+        if self.prompt_logprobs is not None:
+            if not 0 <= self.prompt_logprobs <= MAX_TOP_LOGPROBS:
+                raise RequestError(f"prompt_logprobs must be in [0, {MAX_TOP_LOGPROBS}], got {self.prompt_logprobs}")
+            if self.stream and self.prompt_logprobs > 0:  # vLLM's rule: no chunk carries them
+                raise RequestError("prompt_logprobs are not available when stream is true")
 
-    def choice_params(self, max_tokens: int, logprobs: int | None) -> list[SamplingParams]:
+    def choice_params(self, max_tokens: int, logprobs: int | None, prompt_logprobs: int | None = None,
+                      every_choice: bool = False) -> list[SamplingParams]:
         """The SamplingParams of one prompt's engine requests: with use_beam_search one, returning the n best
-        beams as the n choices; else one per choice."""
+        beams as the n choices; else one per choice. The first asks for `prompt_logprobs` (the choices share a
+        prompt), or every one with `every_choice` (a stream, where no choice may wait for another's)."""
         if self.use_beam_search:
-            return [self.sampling_params(max_tokens, logprobs, n=self.n)]
-        return [self.sampling_params(max_tokens, logprobs, i) for i in range(self.n)]
+            return [self.sampling_params(max_tokens, logprobs, n=self.n, prompt_logprobs=prompt_logprobs)]
+        return [self.sampling_params(max_tokens, logprobs, i,
+                                     prompt_logprobs=prompt_logprobs if i == 0 or every_choice else None)
+                for i in range(self.n)]
 
-    def sampling_params(self, max_tokens: int, logprobs: int | None, index: int = 0, n: int = 1) -> SamplingParams:
+    def sampling_params(self, max_tokens: int, logprobs: int | None, index: int = 0, n: int = 1,
+                        prompt_logprobs: int | None = None) -> SamplingParams:
         """SamplingParams of choice `index` (seeds differ per choice: seed + index); `n` beams with beam search."""
         seed = None if self.seed is None else (self.seed + index) % 2**63
         kw: dict[str, Any] = {
@@ -113,7 +125,8 @@ class _SamplingFields(_Body):
         }
         stop = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
         return SamplingParams(max_tokens=max_tokens, seed=seed, stop=stop, logprobs=logprobs,
-                              ignore_eos=self.ignore_eos, stop_token_ids=list(self.stop_token_ids or []),
+                              prompt_logprobs=prompt_logprobs, ignore_eos=self.ignore_eos,
+                              stop_token_ids=list(self.stop_token_ids or []),
                               skip_special_tokens=self.skip_special_tokens,
                               include_stop_str_in_output=self.include_stop_str_in_output,
                               use_beam_search=self.use_beam_search, n=n, logit_bias=self._logit_bias(), **kw)
@@ -138,8 +151,6 @@ class CompletionRequest(_SamplingFields):
 
     def check_unsupported(self) -> None:
         super().check_unsupported()
-        if self.echo and self.logprobs is not None:
-            raise RequestError("echo with logprobs is not supported (no prompt logprobs): drop one of them")
         if self.suffix:
             raise RequestError("suffix is not supported")
         if self.best_of is not None and self.best_of != self.n:
@@ -267,10 +278,26 @@ class Usage(BaseModel):
 
 
 class CompletionLogprobs(BaseModel):
+    """With echo the prompt's tokens come first; its first token has no logprob (None) and no top_logprobs."""
+
     tokens: list[str]
     token_logprobs: list[float | None]
-    top_logprobs: list[dict[str, float]] | None = None  # the k most likely and the sampled token (k + 1 at most)
+    top_logprobs: list[dict[str, float] | None] | None = None  # the k most likely and the token (k + 1 at most)
     text_offset: list[int]
+
+
+class PromptLogprob(BaseModel):
+    """vLLM's Logprob: rank is 1-based among the vocabulary; null for a prompt token outside the k most likely
+    (the engine does not rank the rest of the vocabulary)."""
+
+    logprob: float
+    rank: int | None = None
+    decoded_token: str | None = None
+
+
+# vLLM's prompt_logprobs: per prompt token (None for the first), token id (a string in JSON) → its Logprob: the
+# prompt token first, then the k most likely
+PromptLogprobs = list[dict[str, PromptLogprob] | None]
 
 
 class CompletionChoice(BaseModel):
@@ -279,6 +306,7 @@ class CompletionChoice(BaseModel):
     logprobs: CompletionLogprobs | None = None
     finish_reason: str | None = None
     stop_reason: int | str | None = None  # the stop string, or the stop_token_ids id (vLLM)
+    prompt_logprobs: PromptLogprobs | None = None  # vLLM's: its prompt's, with prompt_logprobs (or echo + logprobs)
 
 
 class CompletionResponse(BaseModel):
@@ -324,6 +352,7 @@ class ChatCompletionResponse(BaseModel):
     model: str
     choices: list[ChatChoice]
     usage: Usage | None = None
+    prompt_logprobs: PromptLogprobs | None = None  # vLLM's, with prompt_logprobs: the one prompt's
 
 
 class ChatDelta(BaseModel):

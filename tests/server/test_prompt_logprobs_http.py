@@ -1,0 +1,171 @@
+"""vLLM's prompt_logprobs over HTTP (completions per choice, chat at the response level) and OpenAI's echo with
+logprobs (the prompt's tokens first), against the offline LLM.generate on the same SmolLM2 weights."""
+
+from __future__ import annotations
+
+import math
+
+import openai
+import pytest
+from serverkit import MODEL
+
+from tokenhaul.sampling_params import SamplingParams
+from tokenhaul.server.protocol import ChatCompletionResponse, CompletionResponse
+
+pytestmark = pytest.mark.real_model
+
+PROMPT = "The capital of France is Paris, and the capital of Spain is"
+K = 3
+TOL = 1e-4  # fp32 both ways; the server's batch and KV pool differ from the offline call's
+
+
+@pytest.fixture(scope="module")
+def oai(real_server):
+    with openai.OpenAI(base_url=real_server[0] + "/v1", api_key="unused", max_retries=0, timeout=120) as c:
+        yield c
+
+
+@pytest.fixture(scope="module")
+def offline(smollm):
+    """(prompt ids, prompt logprobs) of PROMPT from LLM.generate with prompt_logprobs=K."""
+    out = smollm.generate(PROMPT, SamplingParams(max_tokens=1, temperature=0, prompt_logprobs=K))[0]
+    assert len(out.prompt_logprobs) == len(out.prompt_token_ids) > 5
+    return out.prompt_token_ids, out.prompt_logprobs
+
+
+def check_prompt_logprobs(got: list, offline, tokenizer, k: int = K) -> None:
+    """vLLM's shape: None for the first token; then the prompt token's entry first, then the k best ranked 1..k;
+    the values those of the offline call."""
+    ids, ref = offline
+    assert len(got) == len(ids) and got[0] is None and ref[0] is None
+    for tid, entries, want in zip(ids[1:], got[1:], ref[1:]):
+        keys = list(entries)
+        assert keys[0] == str(tid)
+        top = [str(t) for t, _ in want.top[:k]]
+        assert keys[1:] == [t for t in top if t != str(tid)]
+        own = entries[str(tid)]
+        assert math.isclose(own["logprob"], want.logprob, abs_tol=TOL)
+        assert own["decoded_token"] == tokenizer.decode([tid], skip_special_tokens=False)
+        assert own["rank"] == (top.index(str(tid)) + 1 if str(tid) in top else None)
+        for rank, (t, v) in enumerate(want.top[:k], 1):
+            e = entries[str(t)]
+            assert e["rank"] == rank and math.isclose(e["logprob"], v, abs_tol=TOL)
+
+
+def test_completions_prompt_logprobs_equal_offline(real_server, client, offline):
+    url, engine = real_server
+    r = client.post(url + "/v1/completions", json={"prompt": PROMPT, "max_tokens": 3, "temperature": 0, "n": 2,
+                                                    "prompt_logprobs": K})
+    assert r.status_code == 200, r.text
+    body = r.json()
+    CompletionResponse.model_validate(body)
+    for choice in body["choices"]:  # every choice of the prompt carries its prompt's (vLLM)
+        check_prompt_logprobs(choice["prompt_logprobs"], offline, engine.tokenizer)
+        assert choice["logprobs"] is None
+    some_rank_unknown = any(e[str(t)]["rank"] is None for t, e in zip(offline[0][1:], body["choices"][0]
+                                                                       ["prompt_logprobs"][1:]))
+    assert some_rank_unknown  # the prompt has tokens outside the top K: their rank is not made up
+    plain = client.post(url + "/v1/completions", json={"prompt": PROMPT, "max_tokens": 3, "temperature": 0}).json()
+    assert plain["choices"][0]["prompt_logprobs"] is None
+    assert plain["choices"][0]["text"] == body["choices"][0]["text"]
+
+
+def test_prompt_logprobs_zero_gives_the_prompt_tokens_alone(real_server, client, offline):
+    url, engine = real_server
+    body = client.post(url + "/v1/completions", json={"prompt": PROMPT, "max_tokens": 1, "prompt_logprobs": 0}).json()
+    got = body["choices"][0]["prompt_logprobs"]
+    check_prompt_logprobs(got, offline, engine.tokenizer, k=0)
+    assert all(len(e) == 1 for e in got[1:])
+
+
+def test_chat_prompt_logprobs_at_the_response_level(real_server, client, smollm):
+    url, engine = real_server
+    msgs = [{"role": "user", "content": "Name a colour."}]
+    r = client.post(url + "/v1/chat/completions", json={"messages": msgs, "max_tokens": 2, "temperature": 0,
+                                                         "prompt_logprobs": 2})
+    assert r.status_code == 200, r.text
+    body = r.json()
+    ChatCompletionResponse.model_validate(body)
+    ids = engine.tokenizer.encode(engine.tokenizer.apply_chat_template(msgs), add_special_tokens=False)
+    assert body["usage"]["prompt_tokens"] == len(ids)
+    ref = smollm.generate(ids, SamplingParams(max_tokens=1, temperature=0, prompt_logprobs=2))[0].prompt_logprobs
+    check_prompt_logprobs(body["prompt_logprobs"], (ids, ref), engine.tokenizer, k=2)
+    assert "prompt_logprobs" not in body["choices"][0]
+
+
+def test_echo_with_logprobs_covers_prompt_and_completion(real_server, client, offline):
+    url, engine = real_server
+    ids, ref = offline
+    n_prompt = len(ids)
+    r = client.post(url + "/v1/completions", json={"prompt": PROMPT, "max_tokens": 4, "temperature": 0,
+                                                    "echo": True, "logprobs": 2})
+    assert r.status_code == 200, r.text
+    body = r.json()
+    CompletionResponse.model_validate(body)
+    choice = body["choices"][0]
+    lp = choice["logprobs"]
+    n = n_prompt + body["usage"]["completion_tokens"]
+    assert len(lp["tokens"]) == len(lp["token_logprobs"]) == len(lp["top_logprobs"]) == len(lp["text_offset"]) == n
+    assert lp["token_logprobs"][0] is None and lp["top_logprobs"][0] is None
+    assert all(v is not None for v in lp["token_logprobs"][1:]) and all(t for t in lp["top_logprobs"][1:])
+    assert choice["text"].startswith(PROMPT) and "".join(lp["tokens"]) == choice["text"]
+    assert lp["text_offset"][0] == 0 and lp["text_offset"][n_prompt] == len(PROMPT)
+    assert [choice["text"][a:b] for a, b in zip(lp["text_offset"], lp["text_offset"][1:])] == lp["tokens"][:-1]
+    for i in range(1, n_prompt):  # the prompt's: its logprob, the 2 best and the token itself
+        assert math.isclose(lp["token_logprobs"][i], ref[i].logprob, abs_tol=TOL)
+        tok = lp["tokens"][i]
+        want = {engine.tokenizer.decode([t], skip_special_tokens=False) for t, _ in ref[i].top[:2]} | {tok}
+        assert set(lp["top_logprobs"][i]) == want
+    plain = client.post(url + "/v1/completions", json={"prompt": PROMPT, "max_tokens": 4, "temperature": 0,
+                                                        "logprobs": 2}).json()["choices"][0]
+    assert lp["tokens"][n_prompt:] == plain["logprobs"]["tokens"]  # the completion's, as without echo
+    assert lp["token_logprobs"][n_prompt:] == pytest.approx(plain["logprobs"]["token_logprobs"], abs=TOL)
+    # vLLM asks for prompt_logprobs = logprobs with echo, and the choice carries them too
+    check_prompt_logprobs(choice["prompt_logprobs"], offline, engine.tokenizer, k=2)
+
+
+def test_echo_with_logprobs_streamed_as_not_streamed(real_server, client):
+    """Streamed, each choice's first chunk carries its prompt and the prompt's logprobs with its first token
+    (vLLM); put together, the chunks say what the non-streamed response says."""
+    import json
+
+    url = real_server[0] + "/v1/completions"
+    req = {"prompt": [PROMPT, "1, 2, 3,"], "n": 2, "max_tokens": 4, "temperature": 0, "echo": True, "logprobs": 1}
+    whole = client.post(url, json=req).json()
+    got = {i: {"text": "", "tokens": [], "token_logprobs": [], "top_logprobs": [], "text_offset": []}
+           for i in range(4)}
+    firsts = {}
+    with client.stream("POST", url, json=req | {"stream": True}) as r:
+        assert r.status_code == 200
+        for line in r.iter_lines():
+            if not line.startswith("data: ") or line == "data: [DONE]":
+                continue
+            for c in json.loads(line[6:])["choices"]:
+                firsts.setdefault(c["index"], c)
+                got[c["index"]]["text"] += c["text"]
+                for key in ("tokens", "token_logprobs", "top_logprobs", "text_offset"):
+                    got[c["index"]][key] += c["logprobs"][key]
+    for i, c in enumerate(whole["choices"]):
+        assert firsts[i]["text"].startswith([PROMPT, "1, 2, 3,"][i // 2]) and firsts[i]["logprobs"]["tokens"]
+        assert got[i]["text"] == c["text"]
+        assert got[i]["tokens"] == c["logprobs"]["tokens"] and got[i]["text_offset"] == c["logprobs"]["text_offset"]
+        assert got[i]["token_logprobs"][0] is None and got[i]["top_logprobs"][0] is None
+        assert got[i]["token_logprobs"][1:] == pytest.approx(c["logprobs"]["token_logprobs"][1:], abs=TOL)
+
+
+def test_openai_client_parses_prompt_logprobs_and_echo(oai, offline, real_server):
+    tok = real_server[1].tokenizer
+    r = oai.completions.create(model=MODEL, prompt=PROMPT, max_tokens=2, temperature=0,
+                               extra_body={"prompt_logprobs": K})
+    check_prompt_logprobs(r.choices[0].model_extra["prompt_logprobs"], offline, tok)
+    r = oai.completions.create(model=MODEL, prompt=PROMPT, max_tokens=2, temperature=0, echo=True, logprobs=1)
+    lp = r.choices[0].logprobs
+    assert lp.token_logprobs[0] is None and lp.top_logprobs[0] is None
+    assert len(lp.tokens) == len(offline[0]) + r.usage.completion_tokens and r.choices[0].text.startswith(PROMPT)
+    chat = oai.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "Hi"}], max_tokens=2,
+                                       extra_body={"prompt_logprobs": 1})
+    plps = chat.model_extra["prompt_logprobs"]
+    assert len(plps) == chat.usage.prompt_tokens and plps[0] is None and all(len(e) in (1, 2) for e in plps[1:])
+    with pytest.raises(openai.BadRequestError) as e:
+        oai.completions.create(model=MODEL, prompt=PROMPT, stream=True, extra_body={"prompt_logprobs": 1})
+    assert e.value.body["param"] == "prompt_logprobs"
