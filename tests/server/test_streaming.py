@@ -129,6 +129,27 @@ def test_script_echo_puts_each_prompt_before_its_choices(script_server, client, 
     assert r["choices"][0]["text"] == tokenizer.decode(ids) + ref["choices"][0]["text"]
 
 
+def test_script_echo_logprobs_offsets_index_the_echoed_text(script_server, client, tokenizer):
+    """echo with logprobs: text_offset indexes the echoed text. A prompt of ids is echoed decoded, so its special
+    tokens take no characters unless skip_special_tokens is false; the completion's start at the echo's end;
+    streamed, the same offsets."""
+    url = script_server[0] + CMPL
+    ids = [1] + tokenizer.encode("你好 b", add_special_tokens=False)  # <|im_start|>, then a split character
+    assert tokenizer.is_special(1)
+    for skip in (True, False):
+        body = {"prompt": ids, "max_tokens": 3, "ignore_eos": True, "echo": True, "logprobs": 0,
+                "skip_special_tokens": skip}
+        c = client.post(url, json=body).json()["choices"][0]
+        lp = c["logprobs"]
+        echoed = tokenizer.decode(ids, skip_special_tokens=skip)
+        assert c["text"].startswith(echoed) and len(lp["tokens"]) == len(ids) + 3
+        assert lp["token_logprobs"][0] is None and None not in lp["token_logprobs"][1:]
+        assert lp["text_offset"][1] == (0 if skip else len("<|im_start|>"))
+        assert lp["text_offset"][len(ids)] == len(echoed)
+        chunks, _ = sse(client, url, body)
+        assert [o for ch in chunks for x in ch["choices"] for o in x["logprobs"]["text_offset"]] == lp["text_offset"]
+
+
 def test_script_chat_prompt_continue_final_message_and_no_generation_prompt(script_server, client, tokenizer):
     """vLLM's chat extras: add_generation_prompt false renders no assistant header; continue_final_message continues
     the last message (an assistant prefill: no end-of-turn after it); both true is a 400 naming the field."""
