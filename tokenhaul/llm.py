@@ -153,7 +153,7 @@ class LLM:
             raise
         finally:
             self.core.observer = None
-        outs = [_fold(rid, [frontend.release(s) for s in sample_ids], p, eos)
+        outs = [_fold(rid, [frontend.release(s) for s in sample_ids], p)
                 for (rid, sample_ids), p in zip(groups, plist)]
         for o in outs:
             o.ledger = ledger
@@ -178,12 +178,12 @@ def _fan_out(p: SamplingParams) -> list[SamplingParams]:
             for i in range(p.n)]
 
 
-def _fold(request_id: str, samples: list[RequestOutput], p: SamplingParams, eos: tuple[int, ...]) -> RequestOutput:
+def _fold(request_id: str, samples: list[RequestOutput], p: SamplingParams) -> RequestOutput:
     """One prompt's output: its first sample's (its text, token_ids, ... are outputs[0]'s) under the prompt's
     request id, with every sample, or every returned beam, in outputs."""
     out = samples[0]
     if out.beams is not None:
-        out.outputs = [_beam_output(k, b, p, eos) for k, b in enumerate(out.beams)]
+        out.outputs = [_beam_output(k, b, p) for k, b in enumerate(out.beams)]
     else:
         out.outputs = [CompletionOutput(k, s.text, s.token_ids, _sum_logprobs(s.logprobs), s.logprobs,
                                         s.finish_reason, s.stop_reason) for k, s in enumerate(samples)]
@@ -191,16 +191,10 @@ def _fold(request_id: str, samples: list[RequestOutput], p: SamplingParams, eos:
     return out
 
 
-def _beam_output(index: int, beam: BeamOutput, p: SamplingParams, eos: tuple[int, ...]) -> CompletionOutput:
-    """A returned beam: it ended at a stop token (EOS unless ignore_eos, or one of stop_token_ids) or else at
-    the length limit, as the server tells its beam choices; cumulative_logprob is its score undone of
-    length_penalty, the sum of its logprobs."""
-    last = beam.token_ids[-1] if beam.token_ids else None
-    eos = () if p.ignore_eos else eos
-    stop_id = last if last in p.stop_token_ids and last not in eos else None
-    reason = "stop" if last in eos or stop_id is not None else "length"
+def _beam_output(index: int, beam: BeamOutput, p: SamplingParams) -> CompletionOutput:
+    """A returned beam; cumulative_logprob is its score undone of length_penalty, the sum of its logprobs."""
     total = beam.score * len(beam.token_ids) ** p.length_penalty
-    return CompletionOutput(index, beam.text, list(beam.token_ids), total, None, reason, stop_id)
+    return CompletionOutput(index, beam.text, list(beam.token_ids), total, None, beam.finish_reason, beam.stop_reason)
 
 
 def _sum_logprobs(logprobs: list[TokenLogprob] | None) -> float | None:

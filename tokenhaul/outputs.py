@@ -21,6 +21,8 @@ class BeamOutput:
     token_ids: list[int]
     text: str
     score: float
+    finish_reason: str | None = None  # "stop": at a stop token (EOS, stop_token_ids); "length": at the limit
+    stop_reason: int | None = None  # the stop_token_ids id it ended at (not at EOS)
 
 
 @dataclass

@@ -74,7 +74,8 @@ def run_beams(core: EngineCore, prompts, params) -> list[list[tuple[list[int], f
     while core.has_unfinished():
         for d in core.step():
             if d.finished:
-                out[d.request_id] = d.beams if d.beams is not None else d.new_token_ids
+                out[d.request_id] = ([(b.token_ids, b.score) for b in d.beams] if d.beams is not None
+                                     else d.new_token_ids)
     return [out[f"r{i}"] for i in range(len(prompts))]
 
 
@@ -220,3 +221,21 @@ def test_stop_reason_is_the_best_beams_stop_token_id():
                     assert d.stop_reason == want and (d.finish_reason == "stop") == (last in stops)
                     reasons.append(d.stop_reason)
     assert any(r is not None for r in reasons) and None in reasons
+
+
+def test_each_returned_beam_says_why_it_ended():
+    """Every returned beam carries its own finish reason (not only the best): "stop" at a stop token, with the
+    stop_token_ids id as stop_reason, else "length"."""
+    core = core_with()
+    p = beam(4, 9, (79, 20), n=4)
+    core.add_request("b", PROMPTS[0], p)
+    beams = None
+    while core.has_unfinished():
+        beams = next((d.beams for d in core.step() if d.finished), beams)
+    assert len(beams) == 4
+    for b in beams:
+        stopped = b.token_ids[-1] in (79, 20)
+        assert b.finish_reason == ("stop" if stopped else "length")
+        assert b.stop_reason == (b.token_ids[-1] if stopped else None)
+        assert stopped or len(b.token_ids) == 9
+    assert {b.finish_reason for b in beams} == {"stop", "length"}  # both kinds occur: not vacuous

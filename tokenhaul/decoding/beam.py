@@ -19,7 +19,7 @@ from dataclasses import dataclass
 
 import torch
 
-from tokenhaul.engine.messages import RequestDelta, Sample
+from tokenhaul.engine.messages import FinishedBeam, RequestDelta, Sample
 from tokenhaul.engine.request import Request, Status
 from tokenhaul.engine.scheduler import ScheduledChunk, Scheduler
 from tokenhaul.errors import CapacityError, RequestError
@@ -183,13 +183,11 @@ class BeamSearch:
         g.num_forks += len(forks)
 
     def _finish(self, g: BeamGroup) -> RequestDelta:
-        best = [(list(t), float(s)) for t, s in zip(g.hyp_tokens, g.hyp_scores.tolist())][:g.params.n]
-        tokens = best[0][0]
-        last = tokens[-1] if tokens else None
-        reason = "stop" if last in g.stops else "length"
         eos = () if g.params.ignore_eos else g.beams[0].eos_token_ids  # EOS first, as the scheduler checks
-        stop_id = last if last in g.params.stop_token_ids and last not in eos else None
-        return RequestDelta(g.request_id, tokens, True, reason, [Sample(t) for t in tokens], best, stop_id)
+        best = [_ended(g, list(t), float(s), eos) for t, s in zip(g.hyp_tokens, g.hyp_scores.tolist())][:g.params.n]
+        b = best[0]
+        return RequestDelta(g.request_id, b.token_ids, True, b.finish_reason, [Sample(t) for t in b.token_ids], best,
+                            b.stop_reason)
 
     def _drop(self, g: BeamGroup, reason: str) -> list[Request]:
         self.groups.pop(g.request_id, None)
@@ -200,3 +198,10 @@ class BeamSearch:
                 self.scheduler.abort(b.request_id, reason)
             ended.append(b)
         return ended
+
+
+def _ended(g: BeamGroup, tokens: list[int], score: float, eos: tuple[int, ...]) -> FinishedBeam:
+    """A finished hypothesis: it ended at a stop token, or else at the length limit."""
+    last = tokens[-1] if tokens else None
+    stop_id = last if last in g.params.stop_token_ids and last not in eos else None
+    return FinishedBeam(tokens, score, "stop" if last in g.stops else "length", stop_id)

@@ -21,6 +21,17 @@ class Sample:
 
 
 @dataclass
+class FinishedBeam:
+    """One returned beam of a beam search: its tokens, score (sum of logprobs / length ** length_penalty) and
+    why it ended: "stop" at a stop token (EOS unless ignore_eos, or one of stop_token_ids), else "length"."""
+
+    token_ids: list[int]
+    score: float
+    finish_reason: str
+    stop_reason: int | None = None  # the stop_token_ids id it ended at (not at EOS)
+
+
+@dataclass
 class RequestDelta:
     """What one request produced in one step (token ids only; text is the front end's business)."""
 
@@ -29,7 +40,7 @@ class RequestDelta:
     finished: bool = False
     finish_reason: str | None = None
     samples: list[Sample] = field(default_factory=list)
-    beams: list[tuple[list[int], float]] | None = None  # beam search: (token ids, score) of the best n
+    beams: list[FinishedBeam] | None = None  # beam search: the best n, best first
     stop_reason: int | None = None  # finished at this token of stop_token_ids (not at EOS)
     prompt_logprobs: list[Sample | None] | None = None  # asked for: one per prompt token (None for the first),
     #                                                    in the request's first delta only

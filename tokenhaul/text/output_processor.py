@@ -52,8 +52,9 @@ class OutputProcessor:
             stop_ids = self._stop_ids[d.request_id]
             if d.beams is not None:
                 skip = self._params[d.request_id].skip_special_tokens
-                out.beams = [BeamOutput(ids, self.tokenizer.decode(_text_ids(ids, stop_ids), skip_special_tokens=skip),
-                                        score) for ids, score in d.beams]
+                out.beams = [BeamOutput(b.token_ids, self.tokenizer.decode(_text_ids(b.token_ids, stop_ids),
+                                                                           skip_special_tokens=skip),
+                                        b.score, b.finish_reason, b.stop_reason) for b in d.beams]
             if d.prompt_logprobs is not None:
                 out.prompt_logprobs = [None if s is None else TokenLogprob(s.token, s.logprob, s.top_logprobs)
                                        for s in d.prompt_logprobs]
