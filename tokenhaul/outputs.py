@@ -12,6 +12,7 @@ class TokenLogprob:
     token_id: int
     logprob: float
     top: list[tuple[int, float]] | None = None
+    rank: int | None = None  # prompt logprobs: 1-based among the vocabulary (tokens at least as likely)
 
 
 @dataclass

@@ -52,6 +52,8 @@ def check_against(ref: torch.Tensor, prompt: list[int], got: list, k: int = K) -
     for i, s in enumerate(got[1:], 1):
         row = ref[i - 1]
         assert s.token == prompt[i] and math.isclose(s.logprob, float(row[prompt[i]]), abs_tol=1e-5)
+        v = float(row[prompt[i]])  # rank: the tokens at least as likely (vLLM's), up to near-ties in either sum
+        assert int((row > v + 1e-4).sum()) + 1 <= s.rank <= int((row >= v - 1e-4).sum())
         top = torch.topk(row, k)
         assert [t for t, _ in s.top_logprobs] == top.indices.tolist()
         assert all(math.isclose(lp, v, abs_tol=1e-5) for (_, lp), v in zip(s.top_logprobs, top.values.tolist()))
@@ -187,7 +189,7 @@ def test_real_model_prompt_logprobs_are_the_generated_tokens_logprobs(smollm):
     assert [s.token_id for s in got[1:]] == (prompt + gen.token_ids)[1:]
     for s, g in zip(got[len(prompt):], gen.logprobs):
         assert s.token_id == g.token_id and abs(s.logprob - g.logprob) < 2e-5
-        assert s.top[0][0] == g.token_id and len(s.top) == 2
+        assert s.top[0][0] == g.token_id and len(s.top) == 2 and s.rank == 1
     assert all(s.logprob <= 0 and s.top[0][1] >= s.logprob for s in got[1:])
 
 

@@ -17,19 +17,21 @@ ROWS = 128  # positions turned into logits at once: [ROWS, vocab] fp32 (77 MB at
 
 def prompt_logprobs(compute_logits: Callable[[torch.Tensor], torch.Tensor], hidden: torch.Tensor,
                     targets: list[int], ks: list[int]) -> list[Sample]:
-    """hidden [M, hidden]: row i predicts token targets[i]; returns its logprob and the ks[i] best (token, logprob)
-    pairs there (None for k = 0), as `sampler.with_logprobs` does."""
+    """hidden [M, hidden]: row i predicts token targets[i]; returns its logprob, its rank and the ks[i] best
+    (token, logprob) pairs there (None for k = 0), as `sampler.with_logprobs` does."""
     out = []
     for s in range(0, len(targets), ROWS):
         lp = torch.log_softmax(compute_logits(hidden[s:s + ROWS]), -1)  # [rows, vocab] fp32
         tgt = torch.tensor(targets[s:s + ROWS], dtype=torch.long, device=lp.device)
-        chosen = lp.gather(1, tgt[:, None])[:, 0].tolist()
+        chosen_t = lp.gather(1, tgt[:, None])
+        ranks = (lp >= chosen_t).sum(-1).tolist()  # vLLM's rank: the tokens at least as likely, itself included
+        chosen = chosen_t[:, 0].tolist()
         vals, ids = [], []
         if k_max := max(ks[s:s + ROWS]):
             top = torch.topk(lp, k_max)
             vals, ids = top.values.tolist(), top.indices.tolist()
         for j, (t, lp_t, k) in enumerate(zip(targets[s:s + ROWS], chosen, ks[s:s + ROWS])):
-            out.append(Sample(t, lp_t, list(zip(ids[j][:k], vals[j][:k])) if k else None))
+            out.append(Sample(t, lp_t, list(zip(ids[j][:k], vals[j][:k])) if k else None, ranks[j]))
     return out
 
 

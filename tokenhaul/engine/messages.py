@@ -18,6 +18,7 @@ class Sample:
     token: int
     logprob: float | None = None
     top_logprobs: list[tuple[int, float]] | None = None  # (token id, logprob), best first
+    rank: int | None = None  # prompt logprobs: 1-based among the vocabulary (tokens at least as likely, as vLLM)
 
 
 @dataclass

@@ -409,15 +409,9 @@ class AsyncEngine:
             self._fail_all(EngineFailed(out.dead))
 
     def _beam_delta(self, beam: BeamOutput, e: _Entry) -> GenerationDelta:
-        """A finished beam after the best, as its choice's only delta; it stopped at a stop token or the length
-        limit, as the core tells of the best beam."""
-        p = e.params
-        last = beam.token_ids[-1] if beam.token_ids else None
-        eos = () if p.ignore_eos else self._eos
-        stop_id = last if last in p.stop_token_ids and last not in eos else None
-        reason = "stop" if last in eos or stop_id is not None else "length"
+        """A finished beam after the best, as its choice's only delta, with why it ended."""
         return GenerationDelta(beam.text, list(beam.token_ids), None, e.num_prompt_tokens, len(beam.token_ids),
-                               True, reason, stop_id)
+                               True, beam.finish_reason, beam.stop_reason)
 
     def _ended(self, e: _Entry) -> None:
         if e.deadline is not None:

@@ -352,9 +352,8 @@ class OpenAIHandlers:
 
     def _prompt_logprobs(self, lps: list[TokenLogprob | None] | None, k: int | None) -> list[dict | None] | None:
         """vLLM's prompt_logprobs (None unless k): per prompt token, token id → {logprob, rank, decoded_token} of
-        the token itself, then of the k most likely (ranks 1..k; the token among them is one key, ranked there).
-        The engine ranks only those k, so a prompt token outside them has rank None where vLLM counts the
-        vocabulary above it (that needs the full logprobs row, which only the engine holds)."""
+        the token itself (its rank among the vocabulary, from the engine), then of the k most likely (ranks 1..k;
+        the token among them is one key, ranked there), as vLLM."""
         if k is None or lps is None:
             return None
         out: list[dict | None] = []
@@ -363,7 +362,7 @@ class OpenAIHandlers:
                 out.append(None)
                 continue
             top = (lp.top or [])[:k]
-            rank = next((r for r, (tid, _) in enumerate(top, 1) if tid == lp.token_id), None)
+            rank = next((r for r, (tid, _) in enumerate(top, 1) if tid == lp.token_id), lp.rank)
             entries = {str(lp.token_id): self._prompt_entry(lp.token_id, lp.logprob, rank)}
             for r, (tid, v) in enumerate(top, 1):
                 entries.setdefault(str(tid), self._prompt_entry(tid, v, r))

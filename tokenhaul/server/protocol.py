@@ -287,8 +287,7 @@ class CompletionLogprobs(BaseModel):
 
 
 class PromptLogprob(BaseModel):
-    """vLLM's Logprob: rank is 1-based among the vocabulary; null for a prompt token outside the k most likely
-    (the engine does not rank the rest of the vocabulary)."""
+    """vLLM's Logprob: rank is 1-based among the vocabulary."""
 
     logprob: float
     rank: int | None = None

@@ -56,7 +56,7 @@ class OutputProcessor:
                                                                            skip_special_tokens=skip),
                                         b.score, b.finish_reason, b.stop_reason) for b in d.beams]
             if d.prompt_logprobs is not None:
-                out.prompt_logprobs = [None if s is None else TokenLogprob(s.token, s.logprob, s.top_logprobs)
+                out.prompt_logprobs = [None if s is None else TokenLogprob(s.token, s.logprob, s.top_logprobs, s.rank)
                                        for s in d.prompt_logprobs]
             t1 = time.perf_counter()
             new = d.new_token_ids
