@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
+from typing import Any
 
 import torch
 
@@ -159,11 +160,14 @@ class LLM:
             o.ledger = ledger
         return outs
 
-    def chat(self, messages: list[dict] | list[list[dict]],
-             sampling_params: SamplingParams | None = None) -> list[RequestOutput]:
-        """Apply the model's chat template to one conversation or a list of them, then generate."""
+    def chat(self, messages: list[dict] | list[list[dict]], sampling_params: SamplingParams | None = None, *,
+             add_generation_prompt: bool = True, continue_final_message: bool = False,
+             chat_template_kwargs: dict[str, Any] | None = None) -> list[RequestOutput]:
+        """Apply the model's chat template to one conversation or a list of them, then generate (vLLM's
+        arguments: chat_template_kwargs are variables for the template)."""
         convs = [messages] if messages and isinstance(messages[0], dict) else messages
-        prompts = [self.tokenizer.apply_chat_template(c) for c in convs]
+        prompts = [self.tokenizer.apply_chat_template(c, add_generation_prompt, continue_final_message,
+                                                      chat_template_kwargs) for c in convs]
         return self.generate([self.tokenizer.encode(p, add_special_tokens=False) for p in prompts], sampling_params)
 
 

@@ -74,6 +74,11 @@ def test_same_seed_same_text(smollm):
     assert d.token_ids == a.token_ids
     e = smollm.chat([{"role": "user", "content": "Hi"}], sampling_params=SamplingParams(max_tokens=3))[0]
     assert len(e.token_ids) == 3
+    prefill = [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Hello th"}]
+    f = smollm.chat(prefill, SamplingParams(max_tokens=1), add_generation_prompt=False, continue_final_message=True)
+    assert smollm.tokenizer.decode(f[0].prompt_token_ids).endswith("assistant\nHello th")  # vLLM's LLM.chat arguments
+    with pytest.raises(RequestError, match="chat_template_kwargs may not set messages"):
+        smollm.chat(prefill, chat_template_kwargs={"messages": []})
 
 
 def test_stop_string_never_leaks(smollm):

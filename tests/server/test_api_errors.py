@@ -120,6 +120,11 @@ BAD = [
     (TOK, {"messages": [{"content": "hi"}]}, 400, "messages.0.role", "missing"),
     (TOK, {"messages": [{"role": "user", "content": [{"type": "image_url"}]}]}, 400, None, None),
     (TOK, {"messages": USER, "continue_final_message": True}, 400, "continue_final_message", None),  # both true
+    (TOK, {"messages": USER, "chat_template_kwargs": {"add_generation_prompt": False}}, 400, "chat_template_kwargs",
+     None),  # the request's own argument
+    (CHAT, {"messages": USER, "chat_template_kwargs": {"messages": []}}, 400, "chat_template_kwargs", None),
+    (CHAT, {"messages": USER, "chat_template_kwargs": "x"}, 400, "chat_template_kwargs", "dict_type"),
+    (CHAT, {"messages": USER, "chat_template": "{{ 1 }}"}, 400, "chat_template", None),  # not the model's
     (TOK, {"messages": USER, "add_generation_prompt": None}, 400, "add_generation_prompt", "bool_type"),
     (DETOK, {}, 400, "tokens", "missing"),
     (DETOK, {"tokens": 5}, 400, "tokens", "list_type"),

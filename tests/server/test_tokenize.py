@@ -36,6 +36,8 @@ def test_tokenize_chat_is_what_chat_completions_sends(script_server, client, tok
     cont = client.post(url + "/tokenize", json={"messages": prefill, "add_generation_prompt": False,
                                                 "continue_final_message": True}).json()
     assert tokenizer.decode(cont["tokens"], skip_special_tokens=False).endswith("assistant\nHi th")
+    kw = client.post(url + "/tokenize", json={"messages": CHAT, "chat_template_kwargs": {"enable_thinking": False}})
+    assert kw.json()["tokens"] == r.json()["tokens"]  # the template's variables: none of them in this one
 
 
 def test_detokenize(script_server, client, tokenizer):

@@ -55,6 +55,17 @@ def test_tiny_chat_template(tiny_factory) -> None:
         tok.apply_chat_template(prefill, continue_final_message=True)  # and add_generation_prompt (the default)
 
 
+def test_template_variables_are_chat_template_kwargs(tiny_factory) -> None:
+    """vLLM's chat_template_kwargs reach the template as variables; the request's own arguments stay its own."""
+    tok = tiny_factory("{% if enable_thinking %}<think>{% endif %}{{ messages[0].content }}")
+    user = [{"role": "user", "content": "x"}]
+    assert tok.apply_chat_template(user) == "x"
+    assert tok.apply_chat_template(user, variables={"enable_thinking": True}) == "<think>x"
+    for taken in ("messages", "add_generation_prompt", "bos_token"):
+        with pytest.raises(RequestError, match=f"chat_template_kwargs may not set {taken}"):
+            tok.apply_chat_template(user, variables={taken: None})
+
+
 def test_tiny_sandboxed_template(tiny_factory) -> None:
     tok = tiny_factory("{{ messages.__class__.__mro__ }}")
     with pytest.raises(RequestError):

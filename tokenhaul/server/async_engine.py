@@ -19,6 +19,7 @@ import logging
 import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
+from typing import Any
 
 from tokenhaul.engine.client import EngineClient, InProcessClient
 from tokenhaul.engine.messages import AddRequest, CoreOutputs
@@ -280,13 +281,16 @@ class AsyncEngine:
         return await asyncio.to_thread(self.tokenizer.encode, text, add_special_tokens)
 
     async def encode_chat(self, messages: list[dict], add_generation_prompt: bool = True,
-                          continue_final_message: bool = False, add_special_tokens: bool = False) -> list[int]:
-        """Render the model's chat template (by default with the generation prompt) and tokenize it, off the
-        event loop; the template adds the special tokens it wants, add_special_tokens the tokenizer's on top."""
+                          continue_final_message: bool = False, add_special_tokens: bool = False,
+                          template_kwargs: dict[str, Any] | None = None) -> list[int]:
+        """Render the model's chat template (by default with the generation prompt; template_kwargs: more
+        variables for it) and tokenize it, off the event loop; the template adds the special tokens it wants,
+        add_special_tokens the tokenizer's on top."""
         self.check_chars(sum(len(m.get("content") or "") for m in messages))
 
         def render() -> list[int]:
-            text = self.tokenizer.apply_chat_template(messages, add_generation_prompt, continue_final_message)
+            text = self.tokenizer.apply_chat_template(messages, add_generation_prompt, continue_final_message,
+                                                      template_kwargs)
             self.check_chars(len(text) // 2)  # the template adds markup, never this much
             return self.tokenizer.encode(text, add_special_tokens=add_special_tokens)
 

@@ -381,7 +381,8 @@ class OpenAIHandlers:
             if body.top_logprobs is not None and not body.logprobs:
                 raise RequestError("top_logprobs requires logprobs to be true")
             messages = [m.as_template_dict() for m in body.messages]
-            prompt = await e.encode_chat(messages, body.add_generation_prompt, body.continue_final_message)
+            prompt = await e.encode_chat(messages, body.add_generation_prompt, body.continue_final_message,
+                                         template_kwargs=body.chat_template_kwargs)
             max_tokens = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
             if max_tokens is None:  # as much as fits in the context and the KV pool
                 room = min(e.limits.max_model_len, e.limits.num_blocks * e.limits.block_size) - len(prompt)

@@ -202,6 +202,8 @@ class ChatCompletionRequest(_SamplingFields):
     # beyond OpenAI (vLLM's names): continue_final_message continues the last message (an assistant prefill)
     add_generation_prompt: bool = True
     continue_final_message: bool = False
+    chat_template_kwargs: dict[str, Any] | None = None  # vLLM's: variables for the chat template
+    chat_template: str | None = None  # vLLM's: a template sent with the request, refused (as vLLM by default)
     function_call: str | dict[str, Any] | None = None
 
     def check_unsupported(self) -> None:
@@ -216,6 +218,8 @@ class ChatCompletionRequest(_SamplingFields):
             raise RequestError("functions are not supported")
         if self.function_call not in (None, "none"):
             raise RequestError("function_call is not supported")
+        if self.chat_template:  # vLLM too, unless started trusting request templates
+            raise RequestError("chat_template is not supported: the model's own template renders the chat")
         if self.top_logprobs is not None and not 0 <= self.top_logprobs <= MAX_TOP_LOGPROBS:
             raise RequestError(f"top_logprobs must be in [0, {MAX_TOP_LOGPROBS}], got {self.top_logprobs}")
 
@@ -233,6 +237,7 @@ class TokenizeChatRequest(_Body):
     messages: list[ChatMessage] = Field(max_length=MAX_MESSAGES)
     add_generation_prompt: bool = True
     continue_final_message: bool = False
+    chat_template_kwargs: dict[str, Any] | None = None
     add_special_tokens: bool = Field(False, description="add special tokens on top of what the chat template adds")
     return_token_strs: bool | None = Field(False, description="also return each token's vocabulary string")
 

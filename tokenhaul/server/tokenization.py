@@ -27,7 +27,7 @@ class TokenizationHandlers:
             if chat:
                 messages = [m.as_template_dict() for m in body.messages]
                 ids = await e.encode_chat(messages, body.add_generation_prompt, body.continue_final_message,
-                                          body.add_special_tokens)
+                                          body.add_special_tokens, body.chat_template_kwargs)
             else:
                 ids = await e.encode(body.prompt, body.add_special_tokens)
         except TokenhaulError as err:

@@ -128,13 +128,17 @@ class Tokenizer:
 
     def apply_chat_template(
         self, messages: list[dict], add_generation_prompt: bool = True, continue_final_message: bool = False,
-        **variables: Any
+        variables: dict[str, Any] | None = None
     ) -> str:
-        """Render messages with the model's template (sandboxed jinja2), as transformers does; with
-        continue_final_message the text ends where the last message's content does (no end-of-turn), so the model
-        continues that message (transformers' tag method: mark the content's end, render, cut there)."""
+        """Render messages with the model's template (sandboxed jinja2), as transformers does, `variables` (vLLM's
+        chat_template_kwargs, e.g. enable_thinking) visible to it; with continue_final_message the text ends where
+        the last message's content does (no end-of-turn), so the model continues that message (transformers' tag
+        method: mark the content's end, render, cut there)."""
         if self.chat_template is None:
             raise RequestError(f"model {self.name} has no chat template")
+        variables = variables or {}
+        if taken := sorted(set(variables) & _TEMPLATE_ARGS):
+            raise RequestError(f"chat_template_kwargs may not set {', '.join(taken)} (given by the request itself)")
         if continue_final_message:
             if add_generation_prompt:
                 raise RequestError("continue_final_message and add_generation_prompt cannot both be true")
@@ -166,6 +170,7 @@ class Tokenizer:
         return text[:at] if text.startswith(_CONTINUE_TAG, at) else text[:at].rstrip()  # the template may trim
 
 
+_TEMPLATE_ARGS = {"messages", "add_generation_prompt", "continue_final_message", "bos_token", "eos_token"}
 _CONTINUE_TAG = "CONTINUE_FINAL_MESSAGE_TAG "  # transformers' mark of where the final message's content ends
 
 
