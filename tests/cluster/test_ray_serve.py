@@ -78,6 +78,30 @@ def test_openai_client_answers_from_both_replicas(cluster):
     assert text.strip()
 
 
+def test_prompt_logprobs_echo_and_n_through_replicas(cluster):
+    """This session's request fields cross the Ray actors: prompt logprobs (with ranks) and echo's prompt
+    logprobs are the same from either replica, and n seeded samples come back as n choices."""
+    url, _, _ = cluster
+    body = {"model": MODEL, "prompt": "The capital of France is", "max_tokens": 2, "temperature": 0,
+            "prompt_logprobs": 2, "echo": True, "logprobs": 1}
+    got = {}
+    for _ in range(2):  # short prompts alternate between the replicas
+        r = httpx.post(url + "/v1/completions", json=body, timeout=120)
+        assert r.status_code == 200, r.text
+        got[r.headers["x-tokenhaul-replica"]] = r.json()["choices"][0]
+    assert set(got) == {"0", "1"}
+    a, b = got["0"], got["1"]
+    assert a["prompt_logprobs"] == b["prompt_logprobs"] and a["prompt_logprobs"][0] is None
+    assert all(e[k]["rank"] >= 1 for e in a["prompt_logprobs"][1:] for k in e)
+    lp = a["logprobs"]
+    assert lp["token_logprobs"][0] is None and len(lp["tokens"]) == len(a["prompt_logprobs"]) + 2
+    assert lp["token_logprobs"] == b["logprobs"]["token_logprobs"]
+    r = httpx.post(url + "/v1/completions", json={"model": MODEL, "prompt": "Once upon a time", "max_tokens": 4,
+                                                  "temperature": 1.0, "seed": 3, "n": 3}, timeout=120)
+    assert r.status_code == 200, r.text
+    assert sorted(c["index"] for c in r.json()["choices"]) == [0, 1, 2]
+
+
 def test_shared_prefix_sticks_distinct_prefixes_spread(cluster):
     url, _, _ = cluster
     before = httpx.get(url + "/metrics").text
