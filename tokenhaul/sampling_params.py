@@ -7,6 +7,9 @@ from collections.abc import Collection
 from dataclasses import dataclass, field
 
 from tokenhaul.errors import RequestError
+from tokenhaul.structured_outputs import StructuredOutputsParams
+
+__all__ = ["SamplingParams", "StructuredOutputsParams"]
 
 SPECULATIVE = ("off", "prompt_lookup", "draft", "jacobi")
 MAX_N = 128  # samples or beams per request (OpenAI's cap)
@@ -39,6 +42,7 @@ class SamplingParams:
     n: int = 1  # beams returned (best first, with scores); > 1 only with use_beam_search
     logit_bias: dict[int, float] = field(default_factory=dict)  # token id → added to its logit, in [-100, 100]
     min_tokens: int = 0  # EOS and stop_token_ids cannot be sampled before this many output tokens (vLLM's)
+    structured_outputs: StructuredOutputsParams | None = None  # constrained decoding (json / regex / choice / ...)
 
     def __post_init__(self) -> None:
         if self.stop is None:  # vLLM's None: no stop strings / stop tokens
@@ -53,6 +57,8 @@ class SamplingParams:
         if self.top_k == -1:
             self.top_k = 0
         self.logit_bias = _checked_bias(self.logit_bias)
+        if isinstance(self.structured_outputs, dict):
+            self.structured_outputs = _structured(self.structured_outputs)
         checks = [
             (self.max_tokens is None or self.max_tokens > 0,
              f"max_tokens must be a positive integer (or None), got {self.max_tokens!r}"),
@@ -78,6 +84,10 @@ class SamplingParams:
              f"beam_width must be an integer in [1, 64], got {self.beam_width!r}"),
             (isinstance(self.n, int) and 1 <= self.n <= (self.beam_width if self.use_beam_search else MAX_N),
              f"n must be an integer in [1, {MAX_N}], and at most beam_width with use_beam_search, got {self.n!r}"),
+            (self.structured_outputs is None or isinstance(self.structured_outputs, StructuredOutputsParams),
+             f"structured_outputs must be a StructuredOutputsParams, got {type(self.structured_outputs).__name__}"),
+            (self.structured_outputs is None or (self.speculative == "off" and not self.use_beam_search),
+             "structured_outputs does not combine with speculative decoding or use_beam_search"),
             (not self.use_beam_search or (self.speculative == "off" and not self.adjusts_logits
                                           and self.logprobs is None and self.prompt_logprobs is None
                                           and not self.stop),
@@ -119,9 +129,10 @@ class SamplingParams:
 
     @property
     def adjusts_logits(self) -> bool:
-        """Penalties, a logit bias or min_tokens change the logits before sampling (greedy too: no fast argmax)."""
-        return (self.min_tokens > 0 or self.repetition_penalty != 1.0 or self.presence_penalty != 0.0
-                or self.frequency_penalty != 0.0 or bool(self.logit_bias))
+        """Penalties, a logit bias, min_tokens or a structured output's mask change the logits before sampling
+        (greedy too: no fast argmax)."""
+        return (self.structured_outputs is not None or self.min_tokens > 0 or self.repetition_penalty != 1.0
+                or self.presence_penalty != 0.0 or self.frequency_penalty != 0.0 or bool(self.logit_bias))
 
     def check_served(self, speculative: Collection[str]) -> None:
         """Refuse a speculative method the engine does not serve (its proposers: `speculative`)."""
@@ -136,6 +147,14 @@ def _is_int(x: object) -> bool:
 
 def _is_number(x: object) -> bool:
     return isinstance(x, (int, float)) and not isinstance(x, bool)
+
+
+def _structured(fields: dict) -> StructuredOutputsParams:
+    """A dict of StructuredOutputsParams' fields (as a server passes them) → the params; unknown keys refused."""
+    unknown = sorted(set(fields) - set(StructuredOutputsParams.__dataclass_fields__))
+    if unknown:
+        raise RequestError(f"structured_outputs does not take {', '.join(map(str, unknown))}")
+    return StructuredOutputsParams(**fields)
 
 
 def _checked_bias(bias: object) -> dict[int, float]:

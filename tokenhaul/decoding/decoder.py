@@ -15,6 +15,7 @@ from typing import Protocol
 
 import torch
 
+from tokenhaul.decoding.grammar import mask_logits
 from tokenhaul.decoding.rejection import accept_greedy, accept_sampled
 from tokenhaul.decoding.sampler import Sample, SamplingBatch, adjust_logits, argmax, probabilities, with_logprobs
 from tokenhaul.engine.request import Request
@@ -58,7 +59,8 @@ class Decoder:
     def verify(self, logits: torch.Tensor, chunks: list[ScheduledChunk],
                top: torch.Tensor | None = None) -> list[Verdict]:
         """logits [R, V]: chunk after chunk, chunk.num_sampled rows each (its drafts, then the next); `top`:
-        their argmax [R] where the step computed it."""
+        their argmax [R] where the step computed it. Structured outputs' rows are masked first: what follows, logprobs
+        included, sees only their allowed tokens (as vLLM)."""
         if all(c.num_sampled == 1 and c.request.params.greedy and not c.request.params.adjusts_logits
                for c in chunks):  # the common step: one greedy token per request, nothing to build
             reqs = [c.request for c in chunks]
@@ -71,6 +73,7 @@ class Decoder:
             drafts.append(d)
             reqs += [c.request] * c.num_sampled
             prefixes += [d[:i] for i in range(c.num_sampled)]
+        logits = mask_logits(logits, reqs)
         batch = SamplingBatch.build(reqs, logits.shape[-1], prefixes)
         logits_p = adjust_logits(logits, batch)
         targets = argmax(logits_p).tolist()

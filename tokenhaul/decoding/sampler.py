@@ -11,6 +11,7 @@ from dataclasses import dataclass
 
 import torch
 
+from tokenhaul.decoding.grammar import mask_logits
 from tokenhaul.engine.messages import Sample
 from tokenhaul.engine.request import Request
 
@@ -169,6 +170,7 @@ def with_logprobs(logits: torch.Tensor, tokens: list[int], reqs: list[Request]) 
 
 def sample(logits: torch.Tensor, reqs: list[Request]) -> list[Sample]:
     """logits: [N, vocab] fp32, one row per request in `reqs` → one Sample each."""
+    logits = mask_logits(logits, reqs)
     if all(r.params.greedy and not r.params.adjusts_logits for r in reqs):  # the common decode step: no tensors
         return with_logprobs(logits, argmax(logits).tolist(), reqs)
     batch = SamplingBatch.build(reqs, logits.shape[-1])

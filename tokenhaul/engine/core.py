@@ -18,6 +18,7 @@ from tokenhaul.config import EngineConfig
 from tokenhaul.decoding import PROPOSERS
 from tokenhaul.decoding.beam import BeamSearch
 from tokenhaul.decoding.decoder import Decoder, Verdict
+from tokenhaul.decoding.grammar import GrammarCompiler
 from tokenhaul.decoding.prompt_logprobs import collect as collect_prompt_logprobs
 from tokenhaul.decoding.speculative import DraftModel, check_pair
 from tokenhaul.engine.compiled_decode import CompiledDecode, compile_after_exit
@@ -86,13 +87,16 @@ def make_cache(config: EngineConfig, model: Model, num_blocks: int) -> KVCache:
 class EngineCore:
     def __init__(self, config: EngineConfig, model: Model, observer: StepObserver | None = None,
                  draft_model: Model | None = None, step_time: StepTimeModel | None = None,
-                 draft_prefill_model: Model | None = None, key_centers: torch.Tensor | None = None) -> None:
+                 draft_prefill_model: Model | None = None, key_centers: torch.Tensor | None = None,
+                 grammars: GrammarCompiler | None = None) -> None:
         """step_time: the model that sizes chunks under config.itl_target_ms (default: this machine's
         calibration, measured now if not cached). draft_prefill_model: a packed draft's dense copy, for its
         long catch-up steps (decoding/speculative.py). key_centers: [layers, Hkv, D] an int8 key cache subtracts
-        (kv/key_centers.py; default zeros)."""
+        (kv/key_centers.py; default zeros). grammars: builds structured outputs' matchers (default: from
+        config.model's tokenizer, read on the first such request)."""
         self.config = config
         self.model = model
+        self.grammars = grammars or GrammarCompiler.for_model(config.model, model.config.vocab_size)
         self.observer = observer
         num_blocks = kv_blocks_for(config, model, draft_model)
         self.kv = make_cache(config, model, num_blocks)
@@ -154,7 +158,9 @@ class EngineCore:
         if params.use_beam_search:
             self.beams.add(request_id, list(prompt_token_ids), params, tuple(eos_token_ids), priority)
             return
-        req = Request(request_id, list(prompt_token_ids), params, tuple(eos_token_ids), priority, kv_heir=keep_kv)
+        grammar = None if params.structured_outputs is None else self.grammars.compile(params.structured_outputs)
+        req = Request(request_id, list(prompt_token_ids), params, tuple(eos_token_ids), priority, kv_heir=keep_kv,
+                      grammar=grammar)
         self.scheduler.add(req)
         if fork_from is not None and not req.needs_prompt_logprobs:  # it computes every prompt position
             held = fork_from.token_ids[:min(fork_from.num_computed_tokens, len(req.prompt_token_ids) - 1)]

@@ -11,12 +11,16 @@ import enum
 import itertools
 import time
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import torch
 
 from tokenhaul.engine.messages import Sample
 from tokenhaul.kv.manager import KVHolder
 from tokenhaul.sampling_params import SamplingParams
+
+if TYPE_CHECKING:
+    from tokenhaul.decoding.grammar import Grammar
 
 _arrival = itertools.count()
 
@@ -50,6 +54,7 @@ class Request:
     num_lookahead: int = 0  # KV slots to reserve past the scheduled tokens for the next proposal
     kv_heir: KVHolder | None = None  # at finish its blocks are forked here before being freed (tree search)
     prompt_logprobs: list[Sample | None] | None = None  # asked for: one per prompt token collected so far
+    grammar: Grammar | None = None  # structured outputs' matcher (decoding/grammar.py), fed each appended token
 
     def __post_init__(self) -> None:
         if self.params.seed is not None:

@@ -244,6 +244,8 @@ class Scheduler:
             reason = None
             for tok in tokens:
                 req.output_token_ids.append(tok)
+                if req.grammar is not None:
+                    req.grammar.accept(tok)
                 reason = self._stop_reason(req, tok)
                 if reason is not None:
                     break
@@ -264,6 +266,8 @@ class Scheduler:
             return "stop"
         if tok in p.stop_token_ids:
             req.stop_reason = tok
+            return "stop"
+        if req.grammar is not None and req.grammar.terminated:  # the structured output is complete
             return "stop"
         if len(req.output_token_ids) >= p.max_tokens or req.num_tokens >= self.config.max_model_len:
             return "length"
