@@ -109,3 +109,24 @@ def test_a_step_costs_its_attention_groups_each_as_alone():
     for w in whole:
         assert w.kv_read_bytes == sum(p.kv_read_bytes for p in parts)
         assert w.kv_gather_bytes == sum(p.kv_gather_bytes for p in parts)
+
+
+def test_rejected_drafts_are_not_charged_a_neighbours_prompt_logprobs(ledger_core):
+    """The bytes charged to rejected drafts are theirs alone: a request beside them asking for prompt logprobs
+    (extra lm_head rows in the same steps) leaves them unchanged."""
+    def rejected(prompt_logprobs):
+        core, ledger = ledger_core(max_num_batched_tokens=24, num_kv_blocks=128)
+        rep = [(i * 37) % 96 + 1 for i in range(12)]
+        core.add_request("a", rep * 3, SamplingParams(max_tokens=40, temperature=0, ignore_eos=True,
+                                                      speculative="prompt_lookup"))
+        core.step()
+        core.add_request("b", [(i * 11) % 90 + 3 for i in range(300)],
+                         SamplingParams(max_tokens=2, temperature=0, prompt_logprobs=prompt_logprobs))
+        while core.has_unfinished():
+            core.step()
+        assert any(s.record.rejected_tokens for s in ledger.steps if s.record.prompt_logprob_rows) == (
+            prompt_logprobs is not None)  # some step held both: the case under test
+        return ledger.rejected_tokens, ledger.rejected_bytes
+
+    plain, asked = rejected(None), rejected(5)
+    assert plain[0] > 0 and asked == plain

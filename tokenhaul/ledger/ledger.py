@@ -207,7 +207,7 @@ class Ledger:
         time: the forward's, by the rejected drafts' share of the step's tokens."""
         kept = [(start, n - rejected.get(rid, 0)) for (rid, start, n) in record.chunks]
         without = step_costs(self.costs, kept, logit_rows - record.rejected_tokens, record.kv_copy_tokens,
-                             record.kv_block_size, record.kv_view_slots)
+                             record.kv_block_size, record.kv_view_slots, prompt_logit_rows=record.prompt_logprob_rows)
         forward = record.stage_seconds.get("forward", 0.0)
         for rid, r in rejected.items():
             span = self._live.get(rid)
