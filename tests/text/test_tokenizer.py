@@ -64,6 +64,10 @@ def test_template_variables_are_chat_template_kwargs(tiny_factory) -> None:
     for taken in ("messages", "add_generation_prompt", "bos_token"):
         with pytest.raises(RequestError, match=f"chat_template_kwargs may not set {taken}"):
             tok.apply_chat_template(user, variables={taken: None})
+    loops = tiny_factory("{% for t in tools %}{{ t }}{% endfor %}{{ messages[0].content }}")
+    assert loops.apply_chat_template(user, variables={"tools": ["a"]}) == "ax"
+    with pytest.raises(RequestError, match="chat_template_kwargs: .* TypeError"):  # a Python error in the template
+        loops.apply_chat_template(user, variables={"tools": 5})
 
 
 def test_tiny_sandboxed_template(tiny_factory) -> None:

@@ -161,6 +161,11 @@ class Tokenizer:
             )
         except jinja2.TemplateError as e:
             raise RequestError(f"chat template of model {self.name}: {e}") from None
+        except (TypeError, ValueError, AttributeError, KeyError, IndexError) as e:
+            if not variables:  # the model's template on validated messages: a defect, not the request's
+                raise
+            raise RequestError(f"chat_template_kwargs: the chat template of model {self.name} failed on them: "
+                               f"{type(e).__name__}: {e}") from None
         if not continue_final_message:
             return text
         at = text.rfind(_CONTINUE_TAG.strip())
