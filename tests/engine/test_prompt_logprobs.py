@@ -135,6 +135,26 @@ def test_a_cached_prompt_is_computed_again_under_an_inter_token_budget(tiny_core
     assert chunks.starts["b"][0] == 0 and chunks.starts["b"][1] < len(PROMPT) - 1  # the prompt in chunks
 
 
+def test_the_step_time_model_is_told_of_the_prompt_rows(tiny_core):
+    """Under an inter-token budget a chunk's prompt-logprob rows count as lm_head rows in the step's shape (the
+    model predicts and learns from the step as it runs), and so shrink the chunk."""
+    knots = default_knots(128)  # 1 ms a step, 0.1 ms a token and 0.1 ms an lm_head row
+    step_time = StepTimeModel(knots, [1e-3 + 1e-4 * k for k in knots], [1e-4, 0.0, 0.0, 0.0], alpha=0.0)
+    cfg = EngineConfig(model="tiny", dtype="fp32", num_kv_blocks=64, block_size=4, max_num_batched_tokens=128,
+                       itl_target_ms=7.0)
+    sizes = []
+    for k in (None, K):
+        core = EngineCore(cfg, tiny_model(), step_time=step_time)
+        core.add_request("d", [5, 6, 7], SamplingParams(max_tokens=8, temperature=0, ignore_eos=True))
+        core.step()  # a running decode: the step has a budget
+        core.add_request("b", PROMPT * 5, SamplingParams(max_tokens=3, temperature=0, prompt_logprobs=k))
+        sched = core.scheduler.schedule()
+        decode, c = sched.chunks
+        assert sched.shape.sampled == decode.num_sampled + c.num_sampled + len(c.prompt_positions)
+        sizes.append(c.num_tokens)
+    assert 20 < sizes[1] < sizes[0] and abs(2 * sizes[1] - sizes[0]) <= 2  # a row per token costs a token
+
+
 def test_preempted_mid_prompt_collects_each_position_once(tiny_core):
     """A pool too small for the batch preempts requests whose prompts are half done: recomputed, their prompt
     logprobs are still one per prompt token, equal to the full forward's."""

@@ -83,6 +83,19 @@ def test_max_chunk_is_the_largest_that_fits():
     assert m.max_chunk(shape, 0, remaining=1000, cap=512, budget_s=m.predict(shape)) == 0
 
 
+def test_prompt_logprob_rows_count_as_lm_head_rows():
+    """A chunk whose positions give prompt logprobs pays an lm_head row for each: it fits fewer tokens."""
+    m = model()
+    shape = shape_of([(200, 1, True)] * 8, 16)
+    budget = m.predict(shape) + 0.02
+    plain = m.max_chunk(shape, start=0, remaining=1000, cap=512, budget_s=budget)
+    n = m.max_chunk(shape, start=0, remaining=1000, cap=512, budget_s=budget, prompt_rows=range(0, 999))
+    assert 0 < n < plain
+    assert m.predict(shape.with_chunk(0, n, n)) <= budget < m.predict(shape.with_chunk(0, n + 1, n + 1))
+    later = m.max_chunk(shape, start=500, remaining=500, cap=512, budget_s=budget, prompt_rows=range(0, 400))
+    assert n < later  # past the prompt rows it wants, a chunk pays for only those it holds
+
+
 def test_model_round_trips_and_refuses_other_features():
     m = model()
     back = StepTimeModel.from_dict(json.loads(json.dumps(m.to_dict())))

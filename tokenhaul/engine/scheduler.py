@@ -192,7 +192,8 @@ class Scheduler:
             if waiting and req.num_preemptions == 0:
                 req.num_cached_tokens = start
             remaining = req.num_tokens - start
-            n = model.max_chunk(out.shape, start, remaining, tokens, limit)
+            n = model.max_chunk(out.shape, start, remaining, tokens, limit,
+                                req.prompt_logprob_positions(start, remaining))
             if first:
                 n = max(n, min(remaining, tokens, cfg.min_prefill_chunk))
             if n == 0:
@@ -225,7 +226,7 @@ class Scheduler:
     @staticmethod
     def _add(out: SchedulerOutput, c: ScheduledChunk) -> None:
         out.chunks.append(c)
-        out.shape.add(c.start, c.num_tokens, c.num_sampled)
+        out.shape.add(c.start, c.num_tokens, c.num_sampled + len(c.prompt_positions))  # every lm_head row
 
     def update(self, out: SchedulerOutput, accepted: dict[str, list[int]]) -> list[Request]:
         """Advance each chunk's request by what was accepted: a chunk of n tokens ending in d drafts,

@@ -38,7 +38,8 @@ class StepShape:
     _calls: dict[int, tuple[int, int]] = field(default_factory=dict, repr=False, compare=False)  # memo of calls()
 
     def add(self, start: int, num_tokens: int, sampled: int) -> None:
-        """Count a chunk computing positions [start, start + num_tokens) and sampling `sampled` rows; mutates self."""
+        """Count a chunk computing positions [start, start + num_tokens) and `sampled` lm_head rows (sampled, or
+        giving prompt logprobs); mutates self."""
         self.tokens += num_tokens
         self.sampled += sampled
         self.lengths.setdefault(num_tokens, []).append(start + num_tokens)
@@ -116,14 +117,16 @@ class StepTimeModel:
         self.num_observed += 1
 
     def max_chunk(self, shape: StepShape, start: int, remaining: int, cap: int, budget_s: float,
-                  samples_at_end: bool = True) -> int:
+                  prompt_rows: range = range(0)) -> int:
         """Largest n ≤ min(remaining, cap) whose chunk [start, start + n) keeps the predicted step
-        within budget_s (0 if even one token does not fit). Predictions grow with n: binary search."""
+        within budget_s (0 if even one token does not fit). Its lm_head rows: one sampled where it reaches the
+        end, and the `prompt_rows` positions it holds (prompt logprobs). Predictions grow with n: binary search."""
         hi = min(remaining, cap)
         lo = 0
         while lo < hi:
             mid = (lo + hi + 1) // 2
-            if self.predict(shape.with_chunk(start, mid, int(samples_at_end and mid == remaining))) <= budget_s:
+            rows = int(mid == remaining) + len(range(max(start, prompt_rows.start), min(start + mid, prompt_rows.stop)))
+            if self.predict(shape.with_chunk(start, mid, rows)) <= budget_s:
                 lo = mid
             else:
                 hi = mid - 1
