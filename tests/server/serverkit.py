@@ -14,6 +14,7 @@ import torch
 import uvicorn
 
 from tokenhaul.config import EngineConfig
+from tokenhaul.decoding.grammar import GrammarCompiler
 from tokenhaul.engine.core import EngineCore
 from tokenhaul.models.config import ModelConfig
 from tokenhaul.server.async_engine import AsyncEngine
@@ -115,5 +116,6 @@ def script_engine(tokenizer: Tokenizer, max_waiting: int = 256, **config) -> tup
     model = ScriptModel(tokenizer.vocab_size, ids)
     cfg = dict(model="script", num_kv_blocks=64, block_size=16, max_model_len=256, max_num_seqs=16,
                max_num_batched_tokens=512) | config
-    core = EngineCore(EngineConfig(**cfg), model)
+    grammars = GrammarCompiler(lambda: (tokenizer.backend.to_str(), tokenizer.eos_token_ids), tokenizer.vocab_size)
+    core = EngineCore(EngineConfig(**cfg), model, grammars=grammars)
     return AsyncEngine(core, tokenizer, "script-model", max_waiting), model

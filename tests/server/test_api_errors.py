@@ -81,10 +81,25 @@ BAD = [
     (CHAT, {"messages": USER, "prompt_logprobs": 1, "use_beam_search": True, "stream": False}, 400,
      "use_beam_search", None),
     (CHAT, {"messages": USER, "echo": True}, 400, "echo", None),  # vLLM extras not served
-    (CHAT, {"messages": USER, "guided_choice": ["a", "b"]}, 400, "guided_choice", None),
-    (CHAT, {"messages": USER, "structured_outputs": {"regex": "[ab]"}}, 400, "structured_outputs", None),
-    (CMPL, {"prompt": "x", "guided_json": {"type": "object"}}, 400, "guided_json", None),
-    (CMPL, {"prompt": "x", "response_format": {"type": "json_object"}}, 400, "response_format", None),
+    (CHAT, {"messages": USER, "guided_whitespace_pattern": " "}, 400, "guided_whitespace_pattern", None),
+    (CHAT, {"messages": USER, "guided_choice": []}, 400, "guided_choice", None),  # structured outputs, malformed
+    (CHAT, {"messages": USER, "guided_choice": "a"}, 400, "guided_choice", "list_type"),
+    (CHAT, {"messages": USER, "structured_outputs": {"regex": "[ab"}}, 400, "structured_outputs", None),
+    (CHAT, {"messages": USER, "structured_outputs": {"regex": "a", "choice": ["a"]}}, 400, "structured_outputs",
+     None),
+    (CHAT, {"messages": USER, "structured_outputs": {"structural_tag": "{}"}}, 400, "structured_outputs", None),
+    (CHAT, {"messages": USER, "guided_regex": "a+", "guided_choice": ["a"]}, 400, "guided_choice", None),
+    (CHAT, {"messages": USER, "guided_regex": "a+", "speculative": "prompt_lookup"}, 400, "structured_outputs",
+     None),
+    (CHAT, {"messages": USER, "guided_regex": "a+", "use_beam_search": True}, 400, "structured_outputs", None),
+    (CMPL, {"prompt": "x", "guided_json": {"type": "foo"}}, 400, "guided_json", None),
+    (CMPL, {"prompt": "x", "guided_json": "{not json"}, 400, "guided_json", None),
+    (CMPL, {"prompt": "x", "guided_grammar": "start: ("}, 400, "guided_grammar", None),
+    (CMPL, {"prompt": "x", "response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {
+        "type": "object", "properties": {"a": {"type": "nope"}}}}}}, 400, "response_format", None),
+    (CMPL, {"prompt": "x", "response_format": {"type": "json_schema", "json_schema": {"name": "x"}}}, 400,
+     "response_format", None),
+    (CMPL, {"prompt": "x", "response_format": {"type": "xml"}}, 400, "response_format", None),
     (CMPL, {"prompt": "x", "prompt_logprobs": 21}, 400, "prompt_logprobs", None),
     (CMPL, {"prompt": "x", "prompt_logprobs": -1}, 400, "prompt_logprobs", None),
     (CMPL, {"prompt": "x", "prompt_logprobs": -1, "echo": True, "logprobs": 2}, 400, "prompt_logprobs", None),  # not
@@ -93,7 +108,8 @@ BAD = [
     (CMPL, {"prompt": "x", "prompt_logprobs": [1]}, 400, "prompt_logprobs", "int_type"),
     (CMPL, {"prompt": "x", "prompt_logprobs": 2, "stream": True}, 400, "prompt_logprobs", None),
     (CMPL, {"prompt": "x", "truncate_prompt_tokens": 10}, 400, "truncate_prompt_tokens", None),
-    (CHAT, {"messages": USER, "response_format": {"type": "json_object"}}, 400, None, None),  # not ignored
+    (CHAT, {"messages": USER, "response_format": {"type": "structural_tag"}}, 400, "response_format", None),
+    (CHAT, {"messages": USER, "response_format": {"type": "json_object"}, "guided_regex": "a"}, 400, None, None),
     (CHAT, {"messages": USER, "tools": [{"type": "function", "function": {"name": "f"}}]}, 400, None, None),
     (CHAT, {"messages": USER, "tool_choice": "auto"}, 400, None, None),
     (CHAT, {"messages": USER, "functions": [{"name": "f", "parameters": {}}]}, 400, "functions", None),  # legacy tools

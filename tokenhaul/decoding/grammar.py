@@ -13,7 +13,7 @@ import torch
 from llguidance import LLMatcher, LLTokenizer
 
 from tokenhaul.engine.request import Request
-from tokenhaul.errors import RequestError
+from tokenhaul.errors import RequestError, TokenhaulError
 from tokenhaul.structured_outputs import StructuredOutputsParams
 
 _BITS = torch.arange(32, dtype=torch.int32)
@@ -64,7 +64,10 @@ class GrammarCompiler:
 
     def tokenizer(self) -> LLTokenizer:
         if self._tokenizer is None:
-            text, eos = self._load()
+            try:
+                text, eos = self._load()
+            except TokenhaulError as e:
+                raise RequestError(f"structured outputs need the model's tokenizer: {e}") from None
             tok = LLTokenizer(text, n_vocab=self.vocab_size, eos_token=list(eos))
             if tok.vocab_size > self.vocab_size:
                 raise RequestError(f"structured outputs need the model's tokenizer: it has {tok.vocab_size} tokens, "

@@ -91,7 +91,7 @@ def api_error(e: TokenhaulError, prompt_param: str = "prompt") -> APIError:
     if isinstance(e, CapacityError):
         return APIError(400, msg, param="max_tokens", code="kv_capacity_exceeded")
     if isinstance(e, RequestError):
-        first = msg.split(" ", 1)[0]
+        first = msg.split(" ", 1)[0].removesuffix(":")  # "field: ..." names it too
         return APIError(400, msg, param=first if first in _FIELDS else None)
     return APIError(500, msg, "server_error")
 

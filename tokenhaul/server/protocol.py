@@ -11,7 +11,8 @@ from typing import Annotated, Any, Literal
 from pydantic import BaseModel, ConfigDict, Discriminator, Field, Tag, model_validator
 
 from tokenhaul.errors import RequestError
-from tokenhaul.sampling_params import SamplingParams
+from tokenhaul.sampling_params import SamplingParams, StructuredOutputsParams
+from tokenhaul.server.structured import SOURCES, structured_outputs
 
 MAX_N = 16  # choices per call
 MAX_STOP = 16  # stop strings per request
@@ -22,8 +23,7 @@ MAX_TOP_LOGPROBS = 20  # OpenAI's bound on chat's top_logprobs, and vLLM's on pr
 StopText = Annotated[str, Field(max_length=MAX_STOP_CHARS)]
 NULL_IS_DEFAULT = ("n", "stream", "echo", "logprobs")  # OpenAI's nullable fields typed here without None
 # vLLM's request extras that change the output, which tokenhaul does not serve: refused when set, not ignored
-REFUSED_EXTRAS = ("guided_json", "guided_regex", "guided_choice", "guided_grammar",
-                  "structured_outputs", "allowed_token_ids", "bad_words", "truncate_prompt_tokens",
+REFUSED_EXTRAS = ("guided_whitespace_pattern", "allowed_token_ids", "bad_words", "truncate_prompt_tokens",
                   "echo")  # echo: chat's only (a completions field)
 
 
@@ -70,6 +70,12 @@ class _SamplingFields(_Body):
         None, description="token id (a string, as OpenAI sends it) → bias in [-100, 100] added to its logit")
     prompt_logprobs: int | None = Field(
         None, description="vLLM's: each prompt token's logprob and the k most likely tokens there (not streamed)")
+    structured_outputs: dict[str, Any] | None = Field(
+        None, description="vLLM's: one of json (a schema), regex, choice, grammar, json_object the output follows")
+    guided_json: str | dict[str, Any] | None = None  # vLLM's older names of structured_outputs' kinds
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = None
+    guided_grammar: str | None = None
 
     @model_validator(mode="before")
     @classmethod
@@ -80,14 +86,10 @@ class _SamplingFields(_Body):
         return data
 
     def check_unsupported(self) -> None:
-        """stream_options only with stream (as OpenAI and vLLM: without it no usage chunk could come); no
-        response_format but text, and no vLLM extra that tokenhaul would otherwise ignore (a client would believe
-        JSON mode or guided decoding held)."""
+        """stream_options only with stream (as OpenAI and vLLM: without it no usage chunk could come), and no vLLM
+        extra that tokenhaul would otherwise ignore (a client would believe it held)."""
         if self.stream_options is not None and not self.stream:
             raise RequestError("stream_options is only allowed when stream is true")
-        kind = (self.response_format or {}).get("type", "text")
-        if kind != "text":
-            raise RequestError(f"response_format {kind!r} is not supported (no constrained decoding): use 'text'")
         for name, value in (self.model_extra or {}).items():
             if name in REFUSED_EXTRAS and value not in (None, False, 0, "", [], {}):
                 raise RequestError(f"{name} is not supported")
@@ -102,14 +104,16 @@ class _SamplingFields(_Body):
         """The SamplingParams of one prompt's engine requests: with use_beam_search one, returning the n best
         beams as the n choices; else one per choice. The first asks for `prompt_logprobs` (the choices share a
         prompt), or every one with `every_choice` (a stream, where no choice may wait for another's)."""
+        so = structured_outputs({name: getattr(self, name) for name in SOURCES})
         if self.use_beam_search:
-            return [self.sampling_params(max_tokens, logprobs, n=self.n, prompt_logprobs=prompt_logprobs)]
+            return [self.sampling_params(max_tokens, logprobs, n=self.n, prompt_logprobs=prompt_logprobs, so=so)]
         return [self.sampling_params(max_tokens, logprobs, i,
-                                     prompt_logprobs=prompt_logprobs if i == 0 or every_choice else None)
+                                     prompt_logprobs=prompt_logprobs if i == 0 or every_choice else None, so=so)
                 for i in range(self.n)]
 
     def sampling_params(self, max_tokens: int, logprobs: int | None, index: int = 0, n: int = 1,
-                        prompt_logprobs: int | None = None) -> SamplingParams:
+                        prompt_logprobs: int | None = None,
+                        so: StructuredOutputsParams | None = None) -> SamplingParams:
         """SamplingParams of choice `index` (seeds differ per choice: seed + index); `n` beams with beam search."""
         seed = None if self.seed is None else (self.seed + index) % 2**63
         kw: dict[str, Any] = {
@@ -129,7 +133,8 @@ class _SamplingFields(_Body):
                               stop_token_ids=list(self.stop_token_ids or []),
                               skip_special_tokens=self.skip_special_tokens,
                               include_stop_str_in_output=self.include_stop_str_in_output,
-                              use_beam_search=self.use_beam_search, n=n, logit_bias=self._logit_bias(), **kw)
+                              use_beam_search=self.use_beam_search, n=n, logit_bias=self._logit_bias(),
+                              structured_outputs=so, **kw)
 
     def _logit_bias(self) -> dict[int, float]:
         """OpenAI's string keys as token ids (their range and the biases are SamplingParams' to check)."""
