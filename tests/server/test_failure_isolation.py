@@ -74,6 +74,26 @@ def test_failing_request_is_isolated_and_the_batch_goes_on(tokenizer):
     assert ct.core.pool.num_used == 0 and not ct.core.has_unfinished()
 
 
+def test_a_request_failing_to_be_added_fails_alone(tokenizer):
+    """A defect reached while adding one request (not a RequestError) fails that request, generically; the loop
+    and the other requests go on."""
+    engine, _ = script_engine(tokenizer)
+    core = engine.client.core_thread.core
+    real = core.add_request
+
+    def add_request(rid, *args, **kw):
+        if rid == "bad":
+            raise ValueError("secret internal detail")
+        return real(rid, *args, **kw)
+
+    core.add_request = add_request
+    got = run_core_thread(CoreThread(core, lambda o: None),
+                          [AddRequest("ok", [5, 17, 9], GREEDY), AddRequest("bad", [5, 7], GREEDY)])
+    assert got["bad"][1].startswith("failed: ") and "secret" not in got["bad"][1]
+    assert len(got["ok"][0]) == 12 and got["ok"][1] == "length"
+    assert core.pool.num_used == 0 and not core.has_unfinished()
+
+
 def test_http_failure_is_generic_with_request_id_and_spares_others(tokenizer, caplog):
     engine, model = script_engine(tokenizer)
     poison_when_seen(model)

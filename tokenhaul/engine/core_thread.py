@@ -157,6 +157,10 @@ class CoreThread:
             self.core.add_request(m.request_id, m.prompt_token_ids, m.params, m.eos_token_ids)
         except TokenhaulError as e:
             out.failed.append((m.request_id, str(e)))
+        except Exception:  # a defect reached by one request's parameters: that request fails, not the loop
+            log.error("adding request %s failed:\n%s", m.request_id, traceback.format_exc())
+            self.core.abort(m.request_id)
+            out.failed.append((m.request_id, _failed_message(m.request_id)))
 
 
 
