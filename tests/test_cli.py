@@ -76,6 +76,9 @@ def test_corrupted_part(capsys, tmp_path, monkeypatch):
     (["--logit-bias", "5"], "--logit-bias expects TOKEN_ID=VALUE"),
     (["--logit-bias", "x=1"], "--logit-bias expects TOKEN_ID=VALUE"),
     (["--logit-bias", "5=200"], "logit_bias values must be numbers in [-100, 100]"),
+    (["--structured-outputs", "[1]"], "--structured-outputs expects a JSON object"),
+    (["--structured-outputs", "{choice"], "--structured-outputs expects a JSON object"),
+    (["--structured-outputs", '{"regex": "("}'], "structured_outputs.regex is invalid"),
 ])
 def test_bad_sampling_flags(capsys, args, fragment):
     code, _, err = run_cli(capsys, "generate", "--prompt", "hi", *args)
@@ -208,3 +211,12 @@ def test_generate_n_samples_and_prompt_logprobs(capsys):
     code, out, err = run_cli(capsys, *base)
     assert code == 0 and "[sample 2]" in out and "[sample 3]" in out
     assert err.count("[prompt logprob]") == len(pl) - 1
+
+
+@pytest.mark.real_model
+def test_generate_structured_outputs(capsys):
+    """--structured-outputs JSON: StructuredOutputsParams' fields; the text is one of the choices."""
+    code, out, _ = run_cli(capsys, "generate", "--prompt", "Is the sky blue? Answer:", "--max-tokens", "8",
+                           "--temperature", "0", "--structured-outputs", '{"choice": ["yes", "no"]}', "--json")
+    obj = json.loads(out)
+    assert code == 0 and obj["text"] in ("yes", "no") and obj["finish_reason"] == "stop"

@@ -63,7 +63,11 @@ def add_sampling_args(p: argparse.ArgumentParser) -> None:
     for f in dataclasses.fields(SamplingParams):
         flag = "--" + f.name.replace("_", "-")
         default = f.default if f.default is not dataclasses.MISSING else f.default_factory()
-        if isinstance(default, bool):  # --flag / --no-flag: a default of True can be turned off
+        if f.name == "structured_outputs":  # StructuredOutputsParams' fields as one JSON object
+            p.add_argument(flag, default=None, metavar="JSON",
+                           help='constrained output, one of: {"choice": ["yes", "no"]}, {"regex": "..."}, '
+                                '{"json": {schema}}, {"json_object": true}, {"grammar": "..."}')
+        elif isinstance(default, bool):  # --flag / --no-flag: a default of True can be turned off
             p.add_argument(flag, action=argparse.BooleanOptionalAction, default=default)
         elif isinstance(default, dict):  # logit_bias: token id → bias
             p.add_argument(flag, action="append", default=None, metavar="ID=VALUE",
@@ -76,6 +80,17 @@ def add_sampling_args(p: argparse.ArgumentParser) -> None:
         else:
             typ = float if isinstance(default, float) else str if isinstance(default, str) else int
             p.add_argument(flag, type=typ, default=default)
+
+
+def _json_object(text: str) -> dict:
+    """--structured-outputs' value: a JSON object (a one-line error otherwise)."""
+    try:
+        value = json.loads(text)
+    except json.JSONDecodeError as e:
+        raise RequestError(f"--structured-outputs expects a JSON object: {e}") from None
+    if not isinstance(value, dict):
+        raise RequestError("--structured-outputs expects a JSON object such as '{\"choice\": [\"yes\", \"no\"]}'")
+    return value
 
 
 def _id_values(pairs: list[str]) -> dict[int, float]:
@@ -96,6 +111,8 @@ def sampling_params(args: argparse.Namespace) -> SamplingParams:
         v = getattr(args, f.name)
         if v is not None and f.name == "logit_bias":
             v = _id_values(v)
+        if v is not None and f.name == "structured_outputs":
+            v = _json_object(v)
         if v is not None or f.name in ("seed", "logprobs"):
             kw[f.name] = v
     return SamplingParams(**kw)
