@@ -104,3 +104,24 @@ class EngineConfig:
     def kv_torch_dtype(self) -> torch.dtype:
         """The KV cache's storage dtype (torch.int8: int8 values with fp32 scales)."""
         return KV_DTYPES[self.kv_dtype] or self.torch_dtype
+
+
+def engine_config(model: str, **kwargs) -> EngineConfig:
+    """EngineConfig from LLM(...)'s keywords: ours, or vLLM's names for the same things (enforce_eager,
+    kv_cache_dtype, dtype="auto", tensor_parallel_size=1, trust_remote_code) so a ported script runs; any other
+    name is a one-line error listing ours."""
+    kw = dict(kwargs)
+    if kw.pop("enforce_eager", False):
+        kw.setdefault("compile", "off")
+    if "kv_cache_dtype" in kw:
+        kw.setdefault("kv_dtype", kw.pop("kv_cache_dtype"))
+    if kw.get("dtype") == "auto":
+        del kw["dtype"]
+    if kw.pop("tensor_parallel_size", 1) != 1:
+        raise TokenhaulError("tensor_parallel_size: one engine runs on one device here; for more throughput run "
+                             "replicas (tokenhaul serve --replicas N)")
+    kw.pop("trust_remote_code", None)  # GGUF files hold no code to trust
+    ours = {f for f in EngineConfig.__dataclass_fields__ if f != "model"}
+    if unknown := sorted(set(kw) - ours):
+        raise TokenhaulError(f"unknown engine argument(s) {', '.join(unknown)}; choose from {', '.join(sorted(ours))}")
+    return EngineConfig(model=model, **kw)

@@ -8,7 +8,7 @@ from typing import Any
 
 import torch
 
-from tokenhaul.config import EngineConfig
+from tokenhaul.config import engine_config
 from tokenhaul.engine.core import EngineCore
 from tokenhaul.engine.heap import frozen_heap
 from tokenhaul.errors import ModelError, RequestError
@@ -30,9 +30,13 @@ Prompt = str | list[int]
 
 
 class LLM:
-    def __init__(self, model: str = DEFAULT_MODEL, **engine_kwargs) -> None:
+    def __init__(self, model: str = DEFAULT_MODEL, seed: int | None = None, **engine_kwargs) -> None:
+        """engine_kwargs: EngineConfig's fields (or vLLM's names for them, config.engine_config); seed (vLLM's):
+        seeds the sampling of requests without a seed of their own (torch's global generator)."""
         self.files = resolve(model)
-        self.config = EngineConfig(model=model, **engine_kwargs)
+        self.config = engine_config(model, **engine_kwargs)
+        if seed is not None:
+            torch.manual_seed(seed)
         if self.config.threads:
             torch.set_num_threads(self.config.threads)
         self.model = load_model(self.files.gguf_path, self.config.torch_dtype, self.config.device,

@@ -8,6 +8,7 @@ from drive import run_requests
 from tokenhaul.config import EngineConfig
 from tokenhaul.engine.core import EngineCore
 from tokenhaul.errors import RequestError
+from tokenhaul.llm import LLM
 from tokenhaul.sampling_params import SamplingParams
 
 pytestmark = pytest.mark.real_model
@@ -72,6 +73,10 @@ def test_same_seed_same_text(smollm):
     assert c[0].token_ids != a.token_ids
     d = smollm.generate("Once upon a time", sampling_params=p)[0]  # vLLM's keyword
     assert d.token_ids == a.token_ids
+    unseeded = SamplingParams(max_tokens=8, temperature=0.9)
+    runs = [LLM("smollm2-135m", seed=5, enforce_eager=True).generate("Once upon a time", unseeded)[0].token_ids
+            for _ in range(2)]  # vLLM's LLM(seed=...): requests without a seed of their own draw reproducibly
+    assert runs[0] == runs[1]
     e = smollm.chat([{"role": "user", "content": "Hi"}], sampling_params=SamplingParams(max_tokens=3))[0]
     assert len(e.token_ids) == 3
     prefill = [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Hello th"}]

@@ -1,0 +1,29 @@
+"""engine_config: LLM(...)'s keywords, ours or vLLM's names for the same things, into one EngineConfig."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from tokenhaul.config import engine_config
+from tokenhaul.errors import TokenhaulError
+
+
+def test_vllm_names_mean_ours():
+    c = engine_config("smollm2-135m", enforce_eager=True, kv_cache_dtype="int8", dtype="auto",
+                      tensor_parallel_size=1, trust_remote_code=True, max_model_len=2048)
+    assert (c.compile, c.kv_dtype, c.dtype, c.max_model_len) == ("off", "int8", "bf16", 2048)
+    assert engine_config("smollm2-135m", dtype="float32").torch_dtype == torch.float32
+    assert engine_config("smollm2-135m", enforce_eager=False).compile == engine_config("smollm2-135m").compile
+
+
+@pytest.mark.parametrize("kw,fragment", [
+    (dict(tensor_parallel_size=2), "tensor_parallel_size: one engine runs on one device"),
+    (dict(gpu_memory_utilization=0.9), "unknown engine argument(s) gpu_memory_utilization; choose from"),
+    (dict(max_num_seq=4), "unknown engine argument(s) max_num_seq"),  # a typo is named, not a TypeError
+    (dict(kv_cache_dtype="fp8"), "unknown --kv-dtype 'fp8'"),
+])
+def test_other_names_are_one_clear_error(kw, fragment):
+    with pytest.raises(TokenhaulError) as e:
+        engine_config("smollm2-135m", **kw)
+    assert fragment in str(e.value) and "\n" not in str(e.value)
