@@ -104,3 +104,12 @@ def test_prompt_logprobs_are_computed_once_for_n_samples(smollm):
     assert len(out.outputs) == 3 and out.prompt_logprobs == single.prompt_logprobs
     assert len(out.prompt_logprobs) == len(out.prompt_token_ids) and out.prompt_logprobs[0] is None
     assert sum(s.record.prompt_logprob_rows for s in out.ledger.steps) == len(out.prompt_token_ids) - 1
+
+
+def test_use_tqdm_counts_every_request(smollm, capsys):
+    """vLLM's use_tqdm: a bar of finished engine requests on stderr (the n samples each count); off by default."""
+    smollm.generate([STORY, FRANCE], SAMPLED, use_tqdm=True)
+    err = capsys.readouterr().err
+    assert "generate" in err and "6/6" in err
+    smollm.generate(STORY, replace(SAMPLED, n=1))
+    assert capsys.readouterr().err == ""

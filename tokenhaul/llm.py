@@ -7,6 +7,7 @@ import itertools
 from typing import Any
 
 import torch
+from tqdm import tqdm
 
 from tokenhaul.config import engine_config
 from tokenhaul.engine.core import EngineCore
@@ -112,14 +113,15 @@ class LLM:
         return list(prompt)
 
     def generate(self, prompts: Prompt | list[Prompt],
-                 sampling_params: SamplingParams | list[SamplingParams] | None = None, *,
+                 sampling_params: SamplingParams | list[SamplingParams] | None = None, use_tqdm: bool = False, *,
                  fork_from: list[KVHolder | None] | None = None,
                  keep_kv: list[KVHolder | None] | None = None) -> list[RequestOutput]:
         """Run every prompt through the engine core together; one output per prompt, in prompt order. fork_from /
         keep_kv (per prompt, for tree search): start from KV held there; keep the KV when done (core.release).
         `sampling_params`: one for all prompts or one per prompt (vLLM's name and meaning). n > 1 samples run as
         n engine requests, sample i seeded seed + i as the HTTP server seeds its choices (see _fan_out), so the
-        two agree; their outputs fold back into the prompt's RequestOutput.outputs."""
+        two agree; their outputs fold back into the prompt's RequestOutput.outputs. use_tqdm (vLLM's; off by
+        default here): a progress bar of finished requests on stderr."""
         if isinstance(prompts, str) or (isinstance(prompts, list) and prompts and isinstance(prompts[0], int)):
             prompts = [prompts]
         params = sampling_params or SamplingParams()
@@ -146,12 +148,13 @@ class LLM:
                     self.core.add_request(sid, token_ids, sp, eos, fork_from=fork_from[i] if fork_from else None,
                                           keep_kv=keep_kv[i] if keep_kv else None)
                     frontend.add(sid, token_ids, sp)
-            with frozen_heap():
+            with frozen_heap(), tqdm(total=len(ids), desc="generate", unit="req", disable=not use_tqdm) as bar:
                 while self.core.has_unfinished():
                     step = self.core.num_steps
-                    _, stopped = frontend.process(self.core.step(), step)
+                    updated, stopped = frontend.process(self.core.step(), step)
                     for rid in stopped:
                         self.core.abort(rid, "stop")
+                    bar.update(sum(o.finished for o in updated))
         except BaseException:
             for rid in ids:
                 self.core.abort(rid)
