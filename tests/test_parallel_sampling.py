@@ -106,6 +106,15 @@ def test_prompt_logprobs_are_computed_once_for_n_samples(smollm):
     assert sum(s.record.prompt_logprob_rows for s in out.ledger.steps) == len(out.prompt_token_ids) - 1
 
 
+def test_vllm_accessors(smollm):
+    """out.prompt is the prompt's text (None for token ids); llm.get_tokenizer() the model's tokenizer."""
+    text, ids = smollm.generate([FRANCE, [1, 2, 3]], SamplingParams(max_tokens=1))
+    assert text.prompt == FRANCE and ids.prompt is None
+    assert smollm.get_tokenizer().encode(FRANCE) == text.prompt_token_ids
+    chat = smollm.chat([{"role": "user", "content": "Hi"}], SamplingParams(max_tokens=1))[0]
+    assert chat.prompt.endswith("Hi<|im_end|>\n<|im_start|>assistant\n")  # the rendered chat
+
+
 def test_use_tqdm_counts_every_request(smollm, capsys):
     """vLLM's use_tqdm: a bar of finished engine requests on stderr (the n samples each count); off by default."""
     smollm.generate([STORY, FRANCE], SAMPLED, use_tqdm=True)

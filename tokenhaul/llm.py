@@ -163,9 +163,14 @@ class LLM:
             self.core.observer = None
         outs = [_fold(rid, [frontend.release(s) for s in sample_ids], p)
                 for (rid, sample_ids), p in zip(groups, plist)]
-        for o in outs:
+        for o, prompt in zip(outs, prompts):
             o.ledger = ledger
+            o.prompt = prompt if isinstance(prompt, str) else None
         return outs
+
+    def get_tokenizer(self) -> Tokenizer:
+        """The model's tokenizer (vLLM's accessor): encode, decode, apply_chat_template."""
+        return self.tokenizer
 
     def chat(self, messages: list[dict] | list[list[dict]], sampling_params: SamplingParams | None = None, *,
              add_generation_prompt: bool = True, continue_final_message: bool = False,
@@ -175,7 +180,10 @@ class LLM:
         convs = [messages] if messages and isinstance(messages[0], dict) else messages
         prompts = [self.tokenizer.apply_chat_template(c, add_generation_prompt, continue_final_message,
                                                       chat_template_kwargs) for c in convs]
-        return self.generate([self.tokenizer.encode(p, add_special_tokens=False) for p in prompts], sampling_params)
+        outs = self.generate([self.tokenizer.encode(p, add_special_tokens=False) for p in prompts], sampling_params)
+        for o, prompt in zip(outs, prompts):
+            o.prompt = prompt  # the rendered chat, as vLLM's
+        return outs
 
 
 def _fan_out(p: SamplingParams) -> list[SamplingParams]:

@@ -58,3 +58,4 @@ class RequestOutput:
     # (filled by LLM.generate)
     outputs: list[CompletionOutput] = field(default_factory=list)
     ledger: Any = None  # tokenhaul.ledger.Ledger of the generate call, set by LLM.generate
+    prompt: str | None = None  # the prompt's text when it was given as text (vLLM's), set by LLM.generate
