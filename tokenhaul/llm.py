@@ -172,15 +172,16 @@ class LLM:
         """The model's tokenizer (vLLM's accessor): encode, decode, apply_chat_template."""
         return self.tokenizer
 
-    def chat(self, messages: list[dict] | list[list[dict]], sampling_params: SamplingParams | None = None, *,
-             add_generation_prompt: bool = True, continue_final_message: bool = False,
+    def chat(self, messages: list[dict] | list[list[dict]], sampling_params: SamplingParams | None = None,
+             use_tqdm: bool = False, *, add_generation_prompt: bool = True, continue_final_message: bool = False,
              chat_template_kwargs: dict[str, Any] | None = None) -> list[RequestOutput]:
         """Apply the model's chat template to one conversation or a list of them, then generate (vLLM's
         arguments: chat_template_kwargs are variables for the template)."""
         convs = [messages] if messages and isinstance(messages[0], dict) else messages
         prompts = [self.tokenizer.apply_chat_template(c, add_generation_prompt, continue_final_message,
                                                       chat_template_kwargs) for c in convs]
-        outs = self.generate([self.tokenizer.encode(p, add_special_tokens=False) for p in prompts], sampling_params)
+        outs = self.generate([self.tokenizer.encode(p, add_special_tokens=False) for p in prompts], sampling_params,
+                             use_tqdm)
         for o, prompt in zip(outs, prompts):
             o.prompt = prompt  # the rendered chat, as vLLM's
         return outs
