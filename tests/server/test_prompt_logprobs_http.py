@@ -168,3 +168,104 @@ def test_openai_client_parses_prompt_logprobs_and_echo(oai, offline, real_server
     with pytest.raises(openai.BadRequestError) as e:
         oai.completions.create(model=MODEL, prompt=PROMPT, stream=True, extra_body={"prompt_logprobs": 1})
     assert e.value.body["param"] == "prompt_logprobs"
+
+
+def _prompt_part(lp: dict, n: int) -> dict:
+    """The first n tokens' rows of completions logprobs."""
+    return {key: lp[key][:n] for key in ("tokens", "token_logprobs", "top_logprobs", "text_offset")}
+
+
+def check_same_logprobs(got: dict, want: dict) -> None:
+    assert got["tokens"] == want["tokens"] and got["text_offset"] == want["text_offset"]
+    assert got["token_logprobs"][0] is None is want["token_logprobs"][0]
+    assert got["token_logprobs"][1:] == pytest.approx(want["token_logprobs"][1:], abs=TOL)
+    assert got["top_logprobs"][0] is None is want["top_logprobs"][0]
+    for g, w in zip(got["top_logprobs"][1:], want["top_logprobs"][1:]):
+        assert g == pytest.approx(w, abs=TOL)
+
+
+def test_echo_with_max_tokens_zero_scores_the_prompt(real_server, client, offline):
+    """OpenAI's prompt scoring (vLLM's echo without generation): each choice is the prompt alone with its logprobs,
+    those of echo with max_tokens 1 less its completion token; no completion token is counted; finish_reason length.
+    Without echo, max_tokens 0 stays a 400 naming max_tokens."""
+    url, engine = real_server
+    ids = offline[0]
+    req = {"prompt": PROMPT, "echo": True, "logprobs": 2, "temperature": 0.8, "seed": 7, "n": 2}
+    r = client.post(url + "/v1/completions", json=req | {"max_tokens": 0})
+    assert r.status_code == 200, r.text
+    body = r.json()
+    CompletionResponse.model_validate(body)
+    assert body["usage"] == {"prompt_tokens": len(ids), "completion_tokens": 0, "total_tokens": len(ids)}
+    one = client.post(url + "/v1/completions", json=req | {"max_tokens": 1}).json()["choices"][0]
+    assert len(one["logprobs"]["tokens"]) == len(ids) + 1
+    assert len(body["choices"]) == 2
+    for i, choice in enumerate(body["choices"]):
+        assert choice["index"] == i and choice["text"] == PROMPT
+        assert (choice["finish_reason"], choice["stop_reason"]) == ("length", None)
+        assert len(choice["logprobs"]["tokens"]) == len(ids)
+        check_same_logprobs(choice["logprobs"], _prompt_part(one["logprobs"], len(ids)))
+        check_prompt_logprobs(choice["prompt_logprobs"], offline, engine.tokenizer, k=2)
+    for bad in ({"echo": False}, {"logprobs": 2}, {}):
+        r = client.post(url + "/v1/completions", json={"prompt": PROMPT, "max_tokens": 0} | bad)
+        assert r.status_code == 400 and r.json()["error"]["param"] == "max_tokens", r.text
+
+
+def test_echo_with_max_tokens_zero_token_ids_and_no_logprobs(real_server, client, offline):
+    """A prompt of token ids is echoed decoded; without logprobs the choice is the prompt's text alone."""
+    url, engine = real_server
+    ids = offline[0]
+    body = client.post(url + "/v1/completions", json={"prompt": [ids, ids[:3]], "max_tokens": 0, "echo": True,
+                                                       "logprobs": 0}).json()
+    assert body["usage"] == {"prompt_tokens": len(ids) + 3, "completion_tokens": 0, "total_tokens": len(ids) + 3}
+    texts = [engine.tokenizer.decode(p, skip_special_tokens=True) for p in (ids, ids[:3])]
+    assert [c["text"] for c in body["choices"]] == texts and texts[0] == PROMPT
+    for c, p in zip(body["choices"], (ids, ids[:3])):
+        lp = c["logprobs"]
+        assert lp["tokens"] == [engine.tokenizer.decode([t], skip_special_tokens=False) for t in p]
+        assert len(lp["token_logprobs"]) == len(p) and lp["token_logprobs"][0] is None
+    plain = client.post(url + "/v1/completions", json={"prompt": PROMPT, "max_tokens": 0, "echo": True}).json()
+    assert plain["choices"][0]["text"] == PROMPT and plain["choices"][0]["logprobs"] is None
+    assert plain["choices"][0]["finish_reason"] == "length" and plain["usage"]["completion_tokens"] == 0
+
+
+@pytest.mark.parametrize("logprobs", [None, 1])
+def test_echo_with_max_tokens_zero_streamed(real_server, client, logprobs):
+    """Streamed, each choice comes as one chunk: its prompt (with its logprobs), finish_reason length; the same as
+    the non-streamed response, and the usage counts no completion token."""
+    import json
+
+    url = real_server[0] + "/v1/completions"
+    req = {"prompt": [PROMPT, "1, 2, 3,"], "n": 2, "max_tokens": 0, "echo": True, "logprobs": logprobs}
+    whole = client.post(url, json=req).json()
+    chunks, usage = [], None
+    with client.stream("POST", url, json=req | {"stream": True, "stream_options": {"include_usage": True}}) as r:
+        assert r.status_code == 200
+        for line in r.iter_lines():
+            if line.startswith("data: ") and line != "data: [DONE]":
+                data = json.loads(line[6:])
+                chunks += data["choices"]
+                usage = data.get("usage") or usage
+    assert sorted(c["index"] for c in chunks) == [0, 1, 2, 3]
+    assert usage == whole["usage"] and usage["completion_tokens"] == 0
+    for c in chunks:
+        want = whole["choices"][c["index"]]
+        assert c["text"] == want["text"] == [PROMPT, "1, 2, 3,"][c["index"] // 2]
+        assert (c["finish_reason"], c["stop_reason"]) == ("length", None)
+        if logprobs is None:
+            assert c["logprobs"] is None is want["logprobs"]
+        else:
+            check_same_logprobs(c["logprobs"], want["logprobs"])
+
+
+def test_openai_client_parses_prompt_scoring(oai, offline):
+    r = oai.completions.create(model=MODEL, prompt=PROMPT, max_tokens=0, echo=True, logprobs=1)
+    choice = r.choices[0]
+    assert choice.text == PROMPT and choice.finish_reason == "length"
+    assert r.usage.completion_tokens == 0 and r.usage.prompt_tokens == len(offline[0])
+    lp = choice.logprobs
+    assert len(lp.tokens) == len(lp.token_logprobs) == len(offline[0]) and "".join(lp.tokens) == PROMPT
+    assert lp.token_logprobs[0] is None and all(v < 0 for v in lp.token_logprobs[1:])
+    assert lp.token_logprobs[1:] == pytest.approx([p.logprob for p in offline[1][1:]], abs=TOL)
+    with pytest.raises(openai.BadRequestError) as e:
+        oai.completions.create(model=MODEL, prompt=PROMPT, max_tokens=0)
+    assert e.value.body["param"] == "max_tokens"

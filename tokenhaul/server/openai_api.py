@@ -204,7 +204,12 @@ class OpenAIHandlers:
                 raise RequestError(f"n × prompts is {batch * body.n}; at most {MAX_CHOICES} per call")
             prompts = await self._completion_prompts(body.prompt)
             echoes = await self._echo_texts(body, prompts) if body.echo else None
-            max_tokens = body.max_tokens if body.max_tokens is not None else 16
+            # echo with max_tokens 0 scores the prompt (OpenAI's, vLLM's echo without generation): the engine runs
+            # one token, and the choices hold the prompt alone, its logprobs with logprobs
+            scoring = body.echo and body.max_tokens == 0
+            if body.max_tokens == 0 and not body.echo:
+                raise RequestError("max_tokens must be at least 1 (0 only with echo: the prompt scored alone)")
+            max_tokens = 1 if scoring else body.max_tokens if body.max_tokens is not None else 16
             echo_k = body.logprobs if body.echo else None  # echo's logprobs cover the prompt too
             # vLLM's prompt_logprobs, else echo's k (its to_sampling_params); no stream chunk carries them
             shown_k = None if body.stream else body.prompt_logprobs if body.prompt_logprobs is not None else echo_k
@@ -241,6 +246,8 @@ class OpenAIHandlers:
             acc = await self._gather(stream, num_choices, request)
             choices = []
             for i, c in enumerate(acc):
+                if scoring:  # the token the engine ran is not the client's, nor why it ended: cut at 0 tokens
+                    c = _Choice(finish_reason="length")
                 out_tokens[i] = c.num_tokens
                 prompt_lps = acc[i - i % body.n].prompt_logprobs  # the prompt's first choice asked for them
                 lp = None
@@ -255,10 +262,18 @@ class OpenAIHandlers:
                                  "choices": choices, "usage": usage()}, headers={REPLICA_HEADER: stream.replica})
 
         unechoed = set(range(num_choices)) if echo_k is not None else set()
+        scored: dict[int, list[TokenLogprob | None] | None] = {}  # scoring: prompt logprobs held to the chunk
 
         def frames(items: list[tuple[int, GenerationDelta]]) -> list[dict]:
             choices = []
             for i, d in items:
+                if scoring:  # one chunk per choice once its engine token is done: the prompt and its logprobs (vLLM)
+                    scored[i] = scored.get(i) or d.prompt_logprobs
+                    if d.finished:
+                        lp = self._completion_logprobs(echo_rows(i, scored.pop(i)), offsets, i) if want_lp else None
+                        choices.append({"index": i, "text": echoes[i // body.n], "logprobs": lp,
+                                        "finish_reason": "length", "stop_reason": None})
+                    continue
                 out_tokens[i] = d.num_output_tokens
                 if not d.text and not d.finished and not want_lp:
                     continue  # held back (stop-string prefix or incomplete character): nothing to say
@@ -285,7 +300,7 @@ class OpenAIHandlers:
                      "choices": [], "usage": usage()}]
 
         head = None
-        if echoes is not None and echo_k is None:  # each choice's prompt first, as its own chunk
+        if echoes is not None and echo_k is None and not scoring:  # each choice's prompt first, as its own chunk
             head = [{"id": rid, "object": "text_completion", "created": created, "model": model,
                      "choices": [{"index": i, "text": echoes[i // body.n], "logprobs": None, "finish_reason": None,
                                   "stop_reason": None} for i in range(num_choices)]}]
