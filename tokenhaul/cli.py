@@ -321,7 +321,8 @@ def cmd_serve(args: argparse.Namespace) -> None:
 
     options = ServerOptions(args.api_key, tuple(args.allowed_hosts) if args.allowed_hosts else None,
                             tuple(args.allowed_origins or ()), not args.no_docs, args.max_body_bytes,
-                            args.header_timeout, args.body_timeout, args.keep_alive_timeout)
+                            args.header_timeout, args.body_timeout, args.keep_alive_timeout,
+                            args.enable_auto_tool_choice, args.tool_call_parser)
     if args.replicas:
         from tokenhaul.cluster.pool import ReplicaPool
 
@@ -402,6 +403,10 @@ def build_parser() -> argparse.ArgumentParser:
                    help="seconds a request may generate; then it ends with finish_reason 'abort' (default: no limit)")
     s.add_argument("--shutdown-timeout", type=float, default=30.0,
                    help="on SIGTERM/SIGINT: seconds to let requests in flight finish (new ones get 503), then exit 0")
+    s.add_argument("--enable-auto-tool-choice", action="store_true",
+                   help="serve chat tool_choice 'auto' (the default with tools; else a 400), as vLLM")
+    s.add_argument("--tool-call-parser", default=None, choices=["hermes"],
+                   help="how 'auto' reads tool calls from the text: hermes (<tool_call> JSON blocks, Qwen2.5)")
     s.add_argument("--log-level", default="info")
     s.add_argument("--access-log", action="store_true")
     s.add_argument("--replicas", type=int, default=0,

@@ -110,8 +110,8 @@ BAD = [
     (CMPL, {"prompt": "x", "truncate_prompt_tokens": 10}, 400, "truncate_prompt_tokens", None),
     (CHAT, {"messages": USER, "response_format": {"type": "structural_tag"}}, 400, "response_format", None),
     (CHAT, {"messages": USER, "response_format": {"type": "json_object"}, "guided_regex": "a"}, 400, None, None),
-    (CHAT, {"messages": USER, "tools": [{"type": "function", "function": {"name": "f"}}]}, 400, None, None),
-    (CHAT, {"messages": USER, "tool_choice": "auto"}, 400, None, None),
+    (CHAT, {"messages": USER, "tools": [{"type": "function", "function": {"name": "f"}}]}, 400, None, None),  # auto
+    (CHAT, {"messages": USER, "tool_choice": "auto"}, 400, "tool_choice", None),  # tool_choice needs tools
     (CHAT, {"messages": USER, "functions": [{"name": "f", "parameters": {}}]}, 400, "functions", None),  # legacy tools
     (CHAT, {"messages": USER, "function_call": {"name": "f"}}, 400, "function_call", None),
     (CHAT, {"messages": USER, "logit_bias": {"5": -101}}, 400, "logit_bias", None),

@@ -103,7 +103,7 @@ def build_app(engine: AsyncEngine, options: ServerOptions | None = None, manage_
     if options.allowed_origins:  # outermost: preflights are answered before the key is asked for
         app.add_middleware(CORSMiddleware, allow_origins=list(options.allowed_origins),
                            allow_methods=["GET", "POST"], allow_headers=["authorization", "content-type"])
-    api = OpenAIHandlers(engine)
+    api = OpenAIHandlers(engine, options.tool_call_parser if options.enable_auto_tool_choice else None)
     tok = TokenizationHandlers(engine)
 
     @app.exception_handler(APIError)

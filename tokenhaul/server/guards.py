@@ -38,6 +38,8 @@ class ServerOptions:
     header_timeout: float = 10.0  # a connection must send a full request head within this
     body_timeout: float = 30.0  # ... and then its full body within this
     keep_alive_timeout: float = 5.0  # an idle keep-alive connection is closed after this
+    enable_auto_tool_choice: bool = False  # vLLM's: serve chat tool_choice "auto" (the default with tools)
+    tool_call_parser: str | None = None  # ... reading the calls from the text with this parser (tools.PARSERS)
 
     def __post_init__(self) -> None:
         from tokenhaul.errors import TokenhaulError
@@ -46,6 +48,12 @@ class ServerOptions:
             raise TokenhaulError("the API key is empty")
         if min(self.max_body_bytes, self.header_timeout, self.body_timeout, self.keep_alive_timeout) <= 0:
             raise TokenhaulError("body size limit and timeouts must be positive")
+        from tokenhaul.server.tools import PARSERS
+
+        if self.tool_call_parser is not None and self.tool_call_parser not in PARSERS:
+            raise TokenhaulError(f"--tool-call-parser {self.tool_call_parser}: one of {', '.join(PARSERS)}")
+        if self.enable_auto_tool_choice and self.tool_call_parser is None:
+            raise TokenhaulError("--enable-auto-tool-choice needs --tool-call-parser")
 
 
 class Guard:

@@ -30,6 +30,7 @@ from tokenhaul.server.async_engine import (
     PromptTooLong,
     RequestStream,
 )
+from tokenhaul.server.tools import ToolStream, read_tool_use
 
 MAX_CHOICES = 64  # prompts × n per call
 REPLICA_HEADER = "x-tokenhaul-replica"  # which engine replica served the call (as routed at admission)
@@ -119,8 +120,9 @@ class _Choice:
 class OpenAIHandlers:
     """The two generation endpoints; one instance per app."""
 
-    def __init__(self, engine: AsyncEngine) -> None:
+    def __init__(self, engine: AsyncEngine, tool_parser: str | None = None) -> None:
         self.engine = engine
+        self.tool_parser = tool_parser  # with --enable-auto-tool-choice: tool_choice "auto" is served by it
         self._token_text: dict[int, str] = {}
         self._token_bytes: dict[int, bytes] = {}
         self._frame_hist = engine.metrics.last_mile.labels("frame")
@@ -396,15 +398,19 @@ class OpenAIHandlers:
             if body.top_logprobs is not None and not body.logprobs:
                 raise RequestError("top_logprobs requires logprobs to be true")
             messages = [m.as_template_dict() for m in body.messages]
+            tool_use = read_tool_use(body.tools, body.tool_choice, self.tool_parser)
+            kwargs = body.chat_template_kwargs
+            if tool_use is not None:  # the template gets the tools, with "none" too (vLLM's default); kwargs win
+                kwargs = {"tools": tool_use.tools} | (kwargs or {})
             prompt = await e.encode_chat(messages, body.add_generation_prompt, body.continue_final_message,
-                                         template_kwargs=body.chat_template_kwargs)
+                                         template_kwargs=kwargs)
             max_tokens = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
             if max_tokens is None:  # as much as fits in the context and the KV pool
                 room = min(e.limits.max_model_len, e.limits.num_blocks * e.limits.block_size) - len(prompt)
                 max_tokens = max(1, room)
             lp = (body.top_logprobs or 0) if body.logprobs else None
             shown_k = None if body.stream else body.prompt_logprobs  # no stream chunk carries them (vLLM)
-            params = body.choice_params(max_tokens, lp, shown_k)
+            params = body.choice_params(max_tokens, lp, shown_k, tool_schema=tool_use and tool_use.schema())
         except TokenhaulError as err:
             raise refused(e, err, "messages") from None
         rid = f"chatcmpl-{uuid.uuid4().hex}"
@@ -422,9 +428,11 @@ class OpenAIHandlers:
             choices = []
             for i, c in enumerate(acc):
                 out_tokens[i] = c.num_tokens
-                choices.append({"index": i, "message": {"role": "assistant", "content": c.text},
+                message, reason = ({"role": "assistant", "content": c.text}, c.finish_reason) if tool_use is None \
+                    else tool_use.message(c.text, c.finish_reason)
+                choices.append({"index": i, "message": message,
                                 "logprobs": {"content": self._chat_logprobs(c.logprobs)} if want_lp else None,
-                                "finish_reason": c.finish_reason, "stop_reason": c.stop_reason})
+                                "finish_reason": reason, "stop_reason": c.stop_reason})
             return JSONResponse({"id": rid, "object": "chat.completion", "created": created, "model": model,
                                  "choices": choices, "usage": usage(),
                                  "prompt_logprobs": self._prompt_logprobs(acc[0].prompt_logprobs, shown_k)},
@@ -437,15 +445,18 @@ class OpenAIHandlers:
         head = [chunk([{"index": i, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
                         "finish_reason": None} for i in range(body.n)])]
 
+        tool_streams = [ToolStream(tool_use) for _ in range(body.n)]
+
         def frames(items: list[tuple[int, GenerationDelta]]) -> list[dict]:
             choices = []
             for i, d in items:
                 out_tokens[i] = d.num_output_tokens
-                if not d.text and not d.finished and not want_lp:
+                delta, reason = tool_streams[i].delta(d.text, d.finished, d.finish_reason)
+                if not delta and not d.finished and not want_lp:
                     continue
-                choices.append({"index": i, "delta": {"content": d.text} if d.text else {},
+                choices.append({"index": i, "delta": delta,
                                 "logprobs": {"content": self._chat_logprobs(d.logprobs or [])} if want_lp else None,
-                                "finish_reason": d.finish_reason if d.finished else None,
+                                "finish_reason": reason if d.finished else None,
                                 "stop_reason": d.stop_reason})
             return [chunk(choices)] if choices else []
 

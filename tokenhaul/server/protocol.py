@@ -6,6 +6,7 @@ document them in the OpenAPI schema and the tests check the dicts against them."
 
 from __future__ import annotations
 
+import json
 from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Discriminator, Field, Tag, model_validator
@@ -100,11 +101,12 @@ class _SamplingFields(_Body):
                 raise RequestError("prompt_logprobs are not available when stream is true")
 
     def choice_params(self, max_tokens: int, logprobs: int | None, prompt_logprobs: int | None = None,
-                      every_choice: bool = False) -> list[SamplingParams]:
+                      every_choice: bool = False, tool_schema: dict | None = None) -> list[SamplingParams]:
         """The SamplingParams of one prompt's engine requests: with use_beam_search one, returning the n best
         beams as the n choices; else one per choice. The first asks for `prompt_logprobs` (the choices share a
-        prompt), or every one with `every_choice` (a stream, where no choice may wait for another's)."""
-        so = structured_outputs({name: getattr(self, name) for name in SOURCES})
+        prompt), or every one with `every_choice` (a stream, where no choice may wait for another's).
+        tool_schema: the JSON schema a chat's tool_choice constrains the output with."""
+        so = structured_outputs({name: getattr(self, name) for name in SOURCES} | {"tools": tool_schema})
         if self.use_beam_search:
             return [self.sampling_params(max_tokens, logprobs, n=self.n, prompt_logprobs=prompt_logprobs, so=so)]
         return [self.sampling_params(max_tokens, logprobs, i,
@@ -167,12 +169,27 @@ class ContentPart(_Body):
     text: str | None = None
 
 
+class FunctionCall(_Body):
+    name: str
+    arguments: str | dict[str, Any] | None = None  # a JSON object's text (OpenAI); vLLM takes the object too
+
+
+class ToolCall(_Body):
+    id: str | None = None
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
 class ChatMessage(_Body):
     role: str
     content: str | list[ContentPart] | None = None
     name: str | None = None
+    tool_calls: list[ToolCall] | None = None  # an assistant's earlier calls
+    tool_call_id: str | None = None  # a tool message's: the call it answers
 
     def as_template_dict(self) -> dict[str, Any]:
+        """The message as vLLM gives it to the chat template: text content, an assistant's tool_calls with their
+        arguments parsed to objects (as Qwen's and others' templates expect), a tool message's tool_call_id."""
         content = self.content
         if isinstance(content, list):
             if any(p.type != "text" or p.text is None for p in content):
@@ -181,7 +198,25 @@ class ChatMessage(_Body):
         out: dict[str, Any] = {"role": self.role, "content": content or ""}
         if self.name is not None:
             out["name"] = self.name
+        if self.role == "assistant" and self.tool_calls is not None:
+            out["tool_calls"] = [{"id": c.id, "type": c.type,
+                                  "function": {"name": c.function.name, "arguments": _arguments(c.function)}}
+                                 for c in self.tool_calls]
+        if self.role == "tool" and self.tool_call_id is not None:
+            out["tool_call_id"] = self.tool_call_id
         return out
+
+
+def _arguments(fn: FunctionCall) -> Any:
+    """A call's arguments as an object (vLLM: JSON text parsed, none or empty as {})."""
+    if not fn.arguments:
+        return {}
+    if isinstance(fn.arguments, dict):
+        return fn.arguments
+    try:
+        return json.loads(fn.arguments)
+    except ValueError:
+        raise RequestError(f"messages: the arguments of the call to {fn.name} are not JSON") from None
 
 
 def _count_messages_first(data: Any) -> Any:
@@ -201,8 +236,9 @@ class ChatCompletionRequest(_SamplingFields):
     logprobs: bool = False
     top_logprobs: int | None = None
     max_completion_tokens: int | None = None
-    tools: list[Any] | None = None
+    tools: list[Any] | None = None  # checked by server/tools.py, which names the field in its 400s
     tool_choice: str | dict[str, Any] | None = None
+    parallel_tool_calls: bool | None = None  # taken and ignored, as vLLM
     functions: list[Any] | None = None  # OpenAI's deprecated form of tools
     # beyond OpenAI (vLLM's names): continue_final_message continues the last message (an assistant prefill)
     add_generation_prompt: bool = True
@@ -212,13 +248,9 @@ class ChatCompletionRequest(_SamplingFields):
     function_call: str | dict[str, Any] | None = None
 
     def check_unsupported(self) -> None:
-        """Refuse what would otherwise be ignored silently (a client would believe tools were on), and
+        """Refuse what would otherwise be ignored silently (a client would believe functions were on), and
         top_logprobs out of range by its own name (SamplingParams would name the logprobs it becomes)."""
         super().check_unsupported()
-        if self.tools:
-            raise RequestError("tools are not supported")
-        if self.tool_choice not in (None, "none"):
-            raise RequestError("tool_choice is not supported")
         if self.functions:
             raise RequestError("functions are not supported")
         if self.function_call not in (None, "none"):
@@ -341,9 +373,35 @@ class ChatLogprobs(BaseModel):
     content: list[TokenLogprobEntry] | None = None
 
 
+class FunctionCallOut(BaseModel):
+    name: str
+    arguments: str  # a JSON object's text
+
+
+class ToolCallOut(BaseModel):
+    id: str  # vLLM's chatcmpl-tool-<hex>
+    type: Literal["function"]
+    function: FunctionCallOut
+
+
 class AssistantMessage(BaseModel):
     role: Literal["assistant"]
     content: str | None = None
+    tool_calls: list[ToolCallOut] | None = None  # with tools: the calls the output makes (server/tools.py)
+
+
+class DeltaFunctionCall(BaseModel):
+    name: str | None = None
+    arguments: str | None = None
+
+
+class DeltaToolCall(BaseModel):
+    """A streamed call: its first delta has id, type and name; later ones more of the arguments' text."""
+
+    index: int
+    id: str | None = None
+    type: Literal["function"] | None = None
+    function: DeltaFunctionCall
 
 
 class ChatChoice(BaseModel):
@@ -367,6 +425,7 @@ class ChatCompletionResponse(BaseModel):
 class ChatDelta(BaseModel):
     role: Literal["assistant"] | None = None
     content: str | None = None
+    tool_calls: list[DeltaToolCall] | None = None
 
 
 class ChatChunkChoice(BaseModel):

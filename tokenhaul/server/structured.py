@@ -1,5 +1,6 @@
 """The structured output a chat or completions request asks for, read from OpenAI's response_format, vLLM's
-structured_outputs or vLLM's older guided_* fields (one of them), as the engine's StructuredOutputsParams. A
+structured_outputs, vLLM's older guided_* fields or a chat's tools (the schema of a named or "required"
+tool_choice; one of them), as the engine's StructuredOutputsParams. A
 malformed one is a RequestError whose first word is the field it came in (the 400's param)."""
 
 from __future__ import annotations
@@ -35,6 +36,8 @@ def _as_fields(name: str, value: Any) -> dict[str, Any] | None:
         return {GUIDED[name]: value}
     if name == "structured_outputs":
         return value
+    if name == "tools":  # the JSON schema a tool_choice constrains the output with (server/tools.py)
+        return {"json": value}
     kind = value.get("type", "text")
     if kind == "text":
         return None

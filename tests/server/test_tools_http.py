@@ -1,0 +1,180 @@
+"""Tool calling over HTTP with the official openai client. On SmolLM2-135M (its template ignores tools): a named
+function's arguments and "required"'s calls follow their schemas, "none" answers text, streamed as non-streamed, and
+the 400s ("auto" without --enable-auto-tool-choice, bad tools, a tool_choice naming no tool). On a scripted model
+with Qwen2.5's tokenizer and template, served with the hermes parser: the template gets the tools (with "none" too,
+as vLLM's default), and "auto" reads <tool_call> blocks from the text, streamed as non-streamed."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator
+
+import jsonschema
+import openai
+import pytest
+import torch
+from serverkit import MODEL, ScriptModel, ServerThread
+
+from tokenhaul.config import EngineConfig
+from tokenhaul.engine.core import EngineCore
+from tokenhaul.server.app import build_app
+from tokenhaul.server.async_engine import AsyncEngine
+from tokenhaul.server.guards import ServerOptions
+from tokenhaul.server.protocol import ChatMessage
+from tokenhaul.server.tools import read_tool_use
+from tokenhaul.text.tokenizer import Tokenizer
+
+pytestmark = pytest.mark.real_model
+
+WEATHER = {"type": "object", "additionalProperties": False, "required": ["city"],
+           "properties": {"city": {"type": "string", "maxLength": 12}}}
+TOOLS = [{"type": "function", "function": {"name": "get_weather", "description": "Current weather of a city",
+                                           "parameters": WEATHER}},
+         {"type": "function", "function": {"name": "get_time", "description": "The time now",
+                                           "parameters": {"type": "object", "properties": {}}}}]
+ASK = [{"role": "user", "content": "What is the weather in Paris?"}]
+NAMED = {"type": "function", "function": {"name": "get_weather"}}
+
+
+@pytest.fixture(scope="module")
+def oai(real_server) -> Iterator[openai.OpenAI]:
+    with openai.OpenAI(base_url=real_server[0] + "/v1", api_key="unused", max_retries=0, timeout=120) as c:
+        yield c
+
+
+def _streamed(chunks: list) -> tuple[str, list[tuple[str | None, str | None, str]], str | None]:
+    """(content, [(id, name, arguments)], finish_reason) as a client accumulates a stream's deltas."""
+    content, calls, reason = "", {}, None
+    for c in chunks:
+        if not c.choices:
+            continue
+        d = c.choices[0].delta
+        content += d.content or ""
+        for t in d.tool_calls or []:
+            slot = calls.setdefault(t.index, [t.id, t.function.name, ""])
+            slot[2] += t.function.arguments or ""
+        reason = c.choices[0].finish_reason or reason
+    return content, [tuple(v) for v in calls.values()], reason
+
+
+def _calls(message) -> list[tuple[str, str, str]]:
+    return [(t.id, t.function.name, t.function.arguments) for t in message.tool_calls or []]
+
+
+def test_named_function_arguments_follow_its_schema_streamed_the_same(oai):
+    kw = dict(model=MODEL, messages=ASK, max_tokens=40, temperature=0, tools=TOOLS, tool_choice=NAMED)
+    r = oai.chat.completions.create(**kw)
+    choice = r.choices[0]
+    (call_id, name, args), = _calls(choice.message)
+    assert call_id.startswith("chatcmpl-tool-") and name == "get_weather" and choice.message.tool_calls[0].type
+    jsonschema.validate(json.loads(args), WEATHER)
+    assert choice.message.content == "" and choice.finish_reason == "stop"  # vLLM's and OpenAI's for a named call
+    content, calls, reason = _streamed(list(oai.chat.completions.create(**kw, stream=True)))
+    assert content == "" and reason == "stop"
+    assert [(n, a) for _, n, a in calls] == [(name, args)] and calls[0][0].startswith("chatcmpl-tool-")
+
+
+def test_required_calls_name_given_tools_streamed_the_same(oai):
+    kw = dict(model=MODEL, messages=ASK, max_tokens=120, temperature=0, tools=TOOLS, tool_choice="required")
+    r = oai.chat.completions.create(**kw)
+    choice = r.choices[0]
+    calls = _calls(choice.message)
+    assert calls and choice.finish_reason == "tool_calls" and choice.message.content == ""
+    for call_id, name, args in calls:
+        assert call_id.startswith("chatcmpl-tool-")
+        schema = next(t["function"]["parameters"] for t in TOOLS if t["function"]["name"] == name)
+        jsonschema.validate(json.loads(args), schema)
+    content, streamed, reason = _streamed(list(oai.chat.completions.create(**kw, stream=True)))
+    assert (content, reason) == ("", "tool_calls")
+    assert [(n, a) for _, n, a in streamed] == [(n, a) for _, n, a in calls]
+
+
+def test_none_answers_text(oai):
+    kw = dict(model=MODEL, messages=ASK, max_tokens=8, temperature=0)
+    plain = oai.chat.completions.create(**kw)
+    r = oai.chat.completions.create(**kw, tools=TOOLS, tool_choice="none")
+    assert r.choices[0].message.tool_calls is None and r.choices[0].message.content == plain.choices[0].message.content
+    assert r.choices[0].finish_reason == plain.choices[0].finish_reason
+
+
+@pytest.mark.parametrize("extra, param", [
+    ({"tools": TOOLS}, None),  # "auto", the default with tools, needs --enable-auto-tool-choice
+    ({"tools": TOOLS, "tool_choice": "auto"}, None),
+    ({"tools": [{"type": "function", "function": {"name": "f", "parameters": 5}}], "tool_choice": "required"},
+     "tools"),
+    ({"tools": [{"type": "code_interpreter"}], "tool_choice": "required"}, "tools"),
+    ({"tools": [{"type": "function", "function": {"name": "f", "parameters": {"type": "nope"}}}],
+      "tool_choice": {"type": "function", "function": {"name": "f"}}}, "tools"),  # not a JSON schema
+    ({"tools": TOOLS, "tool_choice": {"type": "function", "function": {"name": "get_stock"}}}, "tool_choice"),
+    ({"tool_choice": "required"}, "tool_choice"),
+    ({"tools": TOOLS, "tool_choice": "required", "response_format": {"type": "json_object"}}, "tools"),
+    ({"functions": [{"name": "f", "parameters": {}}]}, "functions"),  # the legacy form stays refused
+])
+def test_refusals(oai, extra, param):
+    with pytest.raises(openai.BadRequestError) as e:
+        oai.chat.completions.create(model=MODEL, messages=ASK, max_tokens=4, extra_body=extra)
+    body = e.value.body
+    assert body["param"] == param
+    if param is None:
+        assert body["message"] == '"auto" tool choice requires --enable-auto-tool-choice and --tool-call-parser ' \
+                                  'to be set'
+
+
+# Qwen2.5's template renders tools; a scripted model answers what each test sets -------------------------------
+CALL = '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>'
+
+
+@pytest.fixture(scope="module")
+def qwen() -> Iterator[tuple[openai.OpenAI, ScriptModel, list[int], Tokenizer]]:
+    from tokenhaul.models.catalog import is_installed, resolve
+
+    if not is_installed("qwen2.5-coder-0.5b"):
+        pytest.skip("model qwen2.5-coder-0.5b not installed")
+    f = resolve("qwen2.5-coder-0.5b")
+    tok = Tokenizer.from_gguf(f.gguf_path, f.cache_dir, "qwen2.5-coder-0.5b")
+    model = ScriptModel(tok.vocab_size, [0])
+    core = EngineCore(EngineConfig(model="script", num_kv_blocks=64, block_size=16, max_model_len=1024,
+                                   max_num_seqs=4, max_num_batched_tokens=1024), model)
+    engine = AsyncEngine(core, tok, "qwen-script", 16)
+    options = ServerOptions(enable_auto_tool_choice=True, tool_call_parser="hermes")
+    with ServerThread(build_app(engine, options)) as srv, \
+            openai.OpenAI(base_url=srv.url + "/v1", api_key="unused", max_retries=0, timeout=60) as c:
+        yield c, model, [*tok.encode(CALL, add_special_tokens=False), tok.eos_token_ids[0]], tok
+
+
+def test_the_template_gets_the_tools_also_with_none(qwen):
+    oai = qwen[0]
+    sizes = {choice: oai.chat.completions.create(model="qwen-script", messages=ASK, max_tokens=1, **kw).usage
+             .prompt_tokens for choice, kw in (("no tools", {}), ("none", {"tools": TOOLS, "tool_choice": "none"}),
+                                               ("auto", {"tools": TOOLS}))}
+    assert sizes["none"] == sizes["auto"] > sizes["no tools"] + 50
+
+
+def test_auto_reads_hermes_tool_calls_streamed_the_same(qwen):
+    oai, model, reply, tok = qwen
+    kw = dict(model="qwen-script", messages=ASK, max_tokens=64, tools=TOOLS)
+    n = oai.chat.completions.create(**kw | {"max_tokens": 1}).usage.prompt_tokens
+    model.script = torch.tensor([0] * n + reply)  # the answer, from the first generated position
+    r = oai.chat.completions.create(**kw)
+    choice = r.choices[0]
+    (call_id, name, args), = _calls(choice.message)
+    assert call_id.startswith("chatcmpl-tool-") and (name, json.loads(args)) == ("get_weather", {"city": "Paris"})
+    assert choice.message.content is None and choice.finish_reason == "tool_calls"
+    content, calls, reason = _streamed(list(oai.chat.completions.create(**kw, stream=True)))
+    assert (content, reason) == ("", "tool_calls") and [(n, a) for _, n, a in calls] == [(name, args)]
+    # the call and its result in the history reach the template as vLLM passes them (arguments as an object),
+    # and an answer without a block is text
+    history = [*ASK, {"role": "assistant", "content": None, "tool_calls": [
+        {"id": call_id, "type": "function", "function": {"name": name, "arguments": args}}]},
+        {"role": "tool", "tool_call_id": call_id, "content": "18 C, sunny"}]
+    kw["messages"] = history
+    n = oai.chat.completions.create(**kw | {"max_tokens": 1}).usage.prompt_tokens
+    text = tok.apply_chat_template([ChatMessage.model_validate(m).as_template_dict() for m in history], True, False,
+                                   {"tools": read_tool_use(TOOLS, None, "hermes").tools})
+    assert n == len(tok.encode(text, add_special_tokens=False))
+    assert '{"name": "get_weather", "arguments": {"city": "Paris"}}' in text
+    assert "<tool_response>\n18 C, sunny\n</tool_response>" in text
+    model.script = torch.tensor([0] * n + reply[-2:])  # "</tool_call>" then the end of turn
+    r = oai.chat.completions.create(**kw)
+    assert r.choices[0].message.tool_calls is None and r.choices[0].finish_reason == "stop"
+    assert r.choices[0].message.content == "</tool_call>"
