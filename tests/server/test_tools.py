@@ -9,7 +9,8 @@ import json
 import jsonschema
 import pytest
 
-from tokenhaul.errors import RequestError
+from tokenhaul.errors import RequestError, TokenhaulError
+from tokenhaul.server.guards import ServerOptions
 from tokenhaul.server.protocol import ChatMessage
 from tokenhaul.server.tools import AUTO_REFUSED, ToolStream, ToolUse, parse_hermes, read_tool_use
 
@@ -114,17 +115,21 @@ def _streamed(use: ToolUse | None, pieces: list[str], reason: str) -> tuple[dict
     return {"content": content, "calls": [(c["name"], c["args"]) for c in calls.values()]}, last
 
 
-@pytest.mark.parametrize("choice", ["auto", "required", "named", "none"])
-def test_streamed_deltas_add_up_to_the_message(choice):
-    text = {"auto": 'Checking <tool_call>{"name": "now", "arguments": {}}</tool_call><tool_call>{"name": '
-                    '"weather", "arguments": {"city": "Oslo"}}</tool_call>',
-            "required": '[{"name": "now", "parameters": {}}]', "named": '{"city": "Oslo"}', "none": "Just text <b>"}
+@pytest.mark.parametrize("choice, text, reason", [
+    ("auto", 'Checking <tool_call>{"name": "now", "arguments": {}}</tool_call><tool_call>{"name": "weather", '
+             '"arguments": {"city": "Oslo"}}</tool_call>', "stop"),
+    ("auto", 'Not <tool_call>{"name": "now"', "length"),  # a block that is not JSON: all text
+    ("required", '[{"name": "now", "parameters": {}}]', "stop"),
+    ("required", '[{"name": "no', "length"),  # cut short: text
+    ("named", '{"city": "Oslo"}', "stop"),
+    ("none", "Just text <b>", "stop"),
+])
+def test_streamed_deltas_add_up_to_the_message(choice, text, reason):
     use = ToolUse(read_tool_use(TOOLS, "none", None).tools, choice, "weather" if choice == "named" else None)
-    msg, reason = use.message(text[choice], "stop")
+    msg, want = use.message(text, reason)
     for size in (1, 3, 1000):
-        pieces = [text[choice][k:k + size] for k in range(0, len(text[choice]), size)]
-        got, last = _streamed(use, pieces, "stop")
-        assert last == reason
+        got, last = _streamed(use, [text[k:k + size] for k in range(0, len(text), size)], reason)
+        assert last == want
         assert got["content"] == (msg["content"] or "")
         assert got["calls"] == [(c["function"]["name"], c["function"]["arguments"]) for c in msg.get("tool_calls", [])]
 
@@ -148,3 +153,17 @@ def test_history_tool_calls_reach_the_template_as_vllm_passes_them():
         {"id": "c2", "type": "function", "function": {"name": "weather", "arguments": "{city"}}]})
     with pytest.raises(RequestError, match="^messages: "):
         bad.as_template_dict()
+
+
+def test_auto_tool_choice_option_needs_a_known_parser():
+    assert ServerOptions(enable_auto_tool_choice=True, tool_call_parser="hermes").tool_call_parser == "hermes"
+    for kw in ({"enable_auto_tool_choice": True}, {"tool_call_parser": "mistral"}):
+        with pytest.raises(TokenhaulError, match="tool-call-parser"):
+            ServerOptions(**kw)
+
+
+def test_serve_takes_vllms_tool_options():
+    from tokenhaul.cli import build_parser
+
+    args = build_parser().parse_args(["serve", "--enable-auto-tool-choice", "--tool-call-parser", "hermes"])
+    assert (args.enable_auto_tool_choice, args.tool_call_parser) == (True, "hermes")

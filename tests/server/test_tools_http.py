@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 from collections.abc import Iterator
 
+import httpx
 import jsonschema
 import openai
 import pytest
@@ -125,7 +126,7 @@ CALL = '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</
 
 
 @pytest.fixture(scope="module")
-def qwen() -> Iterator[tuple[openai.OpenAI, ScriptModel, list[int], Tokenizer]]:
+def qwen() -> Iterator[tuple[openai.OpenAI, ScriptModel, list[int], Tokenizer, str]]:
     from tokenhaul.models.catalog import is_installed, resolve
 
     if not is_installed("qwen2.5-coder-0.5b"):
@@ -139,19 +140,23 @@ def qwen() -> Iterator[tuple[openai.OpenAI, ScriptModel, list[int], Tokenizer]]:
     options = ServerOptions(enable_auto_tool_choice=True, tool_call_parser="hermes")
     with ServerThread(build_app(engine, options)) as srv, \
             openai.OpenAI(base_url=srv.url + "/v1", api_key="unused", max_retries=0, timeout=60) as c:
-        yield c, model, [*tok.encode(CALL, add_special_tokens=False), tok.eos_token_ids[0]], tok
+        yield c, model, [*tok.encode(CALL, add_special_tokens=False), tok.eos_token_ids[0]], tok, srv.url
 
 
 def test_the_template_gets_the_tools_also_with_none(qwen):
-    oai = qwen[0]
+    oai, url = qwen[0], qwen[4]
     sizes = {choice: oai.chat.completions.create(model="qwen-script", messages=ASK, max_tokens=1, **kw).usage
              .prompt_tokens for choice, kw in (("no tools", {}), ("none", {"tools": TOOLS, "tool_choice": "none"}),
                                                ("auto", {"tools": TOOLS}))}
     assert sizes["none"] == sizes["auto"] > sizes["no tools"] + 50
+    r = httpx.post(url + "/tokenize", json={"messages": ASK, "tools": TOOLS})  # vLLM's /tokenize renders them too
+    assert r.json()["count"] == sizes["auto"]
+    r = httpx.post(url + "/tokenize", json={"messages": ASK, "tools": [{"type": "function"}]})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "tools"
 
 
 def test_auto_reads_hermes_tool_calls_streamed_the_same(qwen):
-    oai, model, reply, tok = qwen
+    oai, model, reply, tok, _ = qwen
     kw = dict(model="qwen-script", messages=ASK, max_tokens=64, tools=TOOLS)
     n = oai.chat.completions.create(**kw | {"max_tokens": 1}).usage.prompt_tokens
     model.script = torch.tensor([0] * n + reply)  # the answer, from the first generated position

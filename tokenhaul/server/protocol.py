@@ -275,6 +275,7 @@ class TokenizeChatRequest(_Body):
     add_generation_prompt: bool = True
     continue_final_message: bool = False
     chat_template_kwargs: dict[str, Any] | None = None
+    tools: list[Any] | None = Field(None, description="tools the chat template renders, as chat completions' tools")
     add_special_tokens: bool = Field(False, description="add special tokens on top of what the chat template adds")
     return_token_strs: bool | None = Field(False, description="also return each token's vocabulary string")
 

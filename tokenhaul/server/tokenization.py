@@ -9,6 +9,7 @@ from tokenhaul.errors import TokenhaulError
 from tokenhaul.server import protocol as P
 from tokenhaul.server.async_engine import AsyncEngine
 from tokenhaul.server.openai_api import APIError, check_model, refused
+from tokenhaul.server.tools import read_tools
 
 
 class TokenizationHandlers:
@@ -26,8 +27,11 @@ class TokenizationHandlers:
         try:
             if chat:
                 messages = [m.as_template_dict() for m in body.messages]
+                kwargs = body.chat_template_kwargs
+                if body.tools is not None:  # rendered as chat completions renders them (vLLM)
+                    kwargs = {"tools": read_tools(body.tools)} | (kwargs or {})
                 ids = await e.encode_chat(messages, body.add_generation_prompt, body.continue_final_message,
-                                          body.add_special_tokens, body.chat_template_kwargs)
+                                          body.add_special_tokens, kwargs)
             else:
                 ids = await e.encode(body.prompt, body.add_special_tokens)
         except TokenhaulError as err:

@@ -81,12 +81,12 @@ def read_tool_use(tools: list[Any] | None, tool_choice: str | dict | None, parse
     if tool_choice is None:
         tool_choice = "auto" if tools else "none"
     if tool_choice == "none":
-        return None if tools is None else ToolUse(_read_tools(tools), "none")
+        return None if tools is None else ToolUse(read_tools(tools), "none")
     if tools is None:
         raise RequestError("tool_choice: when using `tool_choice`, `tools` must be set")
     if tool_choice == "required" and not tools:  # OpenAI's: as "none"
         return ToolUse([], "none")
-    checked = _read_tools(tools)
+    checked = read_tools(tools)
     if tool_choice in ("auto", "required"):
         if tool_choice == "auto" and parser is None:
             raise RequestError(AUTO_REFUSED)
@@ -100,7 +100,7 @@ def read_tool_use(tools: list[Any] | None, tool_choice: str | dict | None, parse
     return ToolUse(checked, "named", fn["name"])
 
 
-def _read_tools(tools: list[Any]) -> list[dict]:
+def read_tools(tools: list[Any]) -> list[dict]:
     """Each tool as vLLM's model_dump() gives it to the template; anything else is a 400 naming tools."""
     out = []
     for i, tool in enumerate(tools):
@@ -159,48 +159,44 @@ class ToolStream:
     def __init__(self, use: ToolUse | None) -> None:
         self.use = use
         self.text = ""
-        self.sent = 0  # characters of text sent as content ("auto")
+        self.sent = 0  # characters of text sent as content
         self.held = False  # "auto": a <tool_call> began; the rest waits for the end
         self.call_id: str | None = None  # named: the call's id, once its first delta is sent
 
     def delta(self, text: str, finished: bool, finish_reason: str | None) -> tuple[dict, str | None]:
-        """The delta of new text (and at the end the choice's finish_reason, as the whole message's)."""
-        choice = self.use.choice if self.use else "none"
+        """The delta of new text, and at the end the choice's finish_reason (the whole message's)."""
         self.text += text
-        reason = self.use.message(self.text, finish_reason)[1] if finished and self.use else finish_reason
-        if choice == "named":
-            return self._named(text), reason
-        if choice == "required":
-            return ({"tool_calls": _indexed(self.use.message(self.text, finish_reason)[0].get("tool_calls") or [])}
-                    if finished else {}), reason
-        if choice == "auto":
-            return self._auto(finished), reason
-        return ({"content": text} if text else {}), reason
-
-    def _named(self, text: str) -> dict:
-        if self.call_id is None:
-            if not text:
-                return {}
-            self.call_id = make_tool_call_id()
-            return {"tool_calls": [{"index": 0, **_call(self.use.name or "", text, self.call_id)}]}
-        return {"tool_calls": [{"index": 0, "function": {"arguments": text}}]} if text else {}
-
-    def _auto(self, finished: bool) -> dict:
-        if not self.held:
-            start = self.text.find(CALL_START, self.sent)
-            self.held = start >= 0
-            end = start if self.held else len(self.text) - _partial_start(self.text)
-            out = self.text[self.sent:end]
-            self.sent = end
-        else:
-            out = ""
-        if finished:
-            content, calls = parse_hermes(self.text)
-            if calls:
-                return {"content": out, "tool_calls": _indexed(calls)} if out else {"tool_calls": _indexed(calls)}
+        if self.use is None or self.use.choice == "none":
+            return ({"content": text} if text else {}), finish_reason
+        if self.use.choice == "named":
+            return self._named(text), finish_reason
+        out = self._auto_content() if self.use.choice == "auto" else ""
+        if not finished:
+            return ({"content": out} if out else {}), None
+        message, reason = self.use.message(self.text, finish_reason)
+        calls = message.get("tool_calls")
+        if not calls:  # no call parsed ("auto"), or "required" cut short: the rest is text
             out += self.text[self.sent:]
             self.sent = len(self.text)
-        return {"content": out} if out else {}
+        return ({"content": out} if out else {}) | ({"tool_calls": _indexed(calls)} if calls else {}), reason
+
+    def _named(self, text: str) -> dict:
+        if not text:
+            return {}
+        if self.call_id is None:
+            self.call_id = make_tool_call_id()
+            return {"tool_calls": [{"index": 0, **_call(self.use.name or "", text, self.call_id)}]}
+        return {"tool_calls": [{"index": 0, "function": {"arguments": text}}]}
+
+    def _auto_content(self) -> str:
+        """"auto": the new text that cannot be part of a tool call (none once a <tool_call> began)."""
+        if self.held:
+            return ""
+        start = self.text.find(CALL_START, self.sent)
+        self.held = start >= 0
+        end = start if self.held else len(self.text) - _partial_start(self.text)
+        out, self.sent = self.text[self.sent:end], end
+        return out
 
 
 def _indexed(calls: list[dict]) -> list[dict]:
