@@ -120,6 +120,8 @@ def _streamed(use: ToolUse | None, pieces: list[str], reason: str) -> tuple[dict
              '"arguments": {"city": "Oslo"}}</tool_call>', "stop"),
     ("auto", 'Not <tool_call>{"name": "now"', "length"),  # a block that is not JSON: all text
     ("required", '[{"name": "now", "parameters": {}}]', "stop"),
+    ("required", '[{"name": "weather", "parameters": {"city": "O\\"s}]lo"}}, {"name": "now", "parameters": {}}]',
+     "stop"),
     ("required", '[{"name": "no', "length"),  # cut short: text
     ("named", '{"city": "Oslo"}', "stop"),
     ("none", "Just text <b>", "stop"),
@@ -132,6 +134,16 @@ def test_streamed_deltas_add_up_to_the_message(choice, text, reason):
         assert last == want
         assert got["content"] == (msg["content"] or "")
         assert got["calls"] == [(c["function"]["name"], c["function"]["arguments"]) for c in msg.get("tool_calls", [])]
+
+
+def test_required_stream_sends_each_call_when_its_element_closes():
+    stream = ToolStream(read_tool_use(TOOLS, "required", None))
+    assert stream.delta('[{"name": "now", "parameters": {"a": "}"', False, None)[0] == {}
+    first = stream.delta('}}, {"name": "now"', False, None)[0]["tool_calls"]
+    assert [(c["index"], c["function"]) for c in first] == [(0, {"name": "now", "arguments": '{"a": "}"}'})]
+    last, reason = stream.delta(', "parameters": {}}]', True, "stop")
+    assert reason == "tool_calls" and [(c["index"], c["function"]["arguments"]) for c in last["tool_calls"]] == [
+        (1, "{}")]
 
 
 def test_auto_stream_holds_a_possible_tool_call_start():

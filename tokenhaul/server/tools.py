@@ -152,9 +152,10 @@ def parse_hermes(text: str) -> tuple[str | None, list[dict]]:
 
 class ToolStream:
     """One streamed choice's deltas. Plain text (no tools, "none") streams as content. A named function streams its
-    arguments as they come, the first delta carrying the call's id and name (vLLM). "required" sends its calls in one
-    delta with the last text (not progressively: the JSON array is parsed whole). "auto" streams content until a
-    <tool_call> may begin, then holds the rest and sends the calls (or, if none parse, the text) at the end."""
+    arguments as they come, the first delta carrying the call's id and name (vLLM). "required" sends each call whole
+    once its element of the JSON array closes (vLLM also streams a call's arguments, from a partial JSON parser).
+    "auto" streams content until a <tool_call> may begin, then holds the rest and sends the calls (or, if none
+    parse, the text) at the end."""
 
     def __init__(self, use: ToolUse | None) -> None:
         self.use = use
@@ -162,6 +163,8 @@ class ToolStream:
         self.sent = 0  # characters of text sent as content
         self.held = False  # "auto": a <tool_call> began; the rest waits for the end
         self.call_id: str | None = None  # named: the call's id, once its first delta is sent
+        self.elements = _ArrayElements()  # "required": the array's elements as they close
+        self.num_calls = 0  # calls sent
 
     def delta(self, text: str, finished: bool, finish_reason: str | None) -> tuple[dict, str | None]:
         """The delta of new text, and at the end the choice's finish_reason (the whole message's)."""
@@ -171,14 +174,18 @@ class ToolStream:
         if self.use.choice == "named":
             return self._named(text), finish_reason
         out = self._auto_content() if self.use.choice == "auto" else ""
-        if not finished:
-            return ({"content": out} if out else {}), None
-        message, reason = self.use.message(self.text, finish_reason)
-        calls = message.get("tool_calls")
-        if not calls:  # no call parsed ("auto"), or "required" cut short: the rest is text
-            out += self.text[self.sent:]
-            self.sent = len(self.text)
-        return ({"content": out} if out else {}) | ({"tool_calls": _indexed(calls)} if calls else {}), reason
+        calls = [c for e in self.elements.closed(self.text) for c in required_calls(f"[{e}]") or []] \
+            if self.use.choice == "required" else []
+        reason = None
+        if finished:
+            message, reason = self.use.message(self.text, finish_reason)
+            calls = (message.get("tool_calls") or [])[self.num_calls:]
+            if "tool_calls" not in message:  # no call parsed ("auto"), or "required" cut short: the rest is text
+                out += self.text[self.sent:]
+                self.sent = len(self.text)
+        indexed = [{"index": self.num_calls + k, **c} for k, c in enumerate(calls)]
+        self.num_calls += len(calls)
+        return ({"content": out} if out else {}) | ({"tool_calls": indexed} if indexed else {}), reason
 
     def _named(self, text: str) -> dict:
         if not text:
@@ -199,8 +206,33 @@ class ToolStream:
         return out
 
 
-def _indexed(calls: list[dict]) -> list[dict]:
-    return [{"index": k, **c} for k, c in enumerate(calls)]
+class _ArrayElements:
+    """The elements of a JSON array of objects as their text closes, read character by character."""
+
+    def __init__(self) -> None:
+        self.read = 0  # characters of the text read
+        self.depth = 0
+        self.start = 0  # where the current element began
+        self.in_string = self.escaped = False
+
+    def closed(self, text: str) -> list[str]:
+        """The elements that close in the text so far since the last call."""
+        out = []
+        for k in range(self.read, len(text)):
+            ch = text[k]
+            if self.in_string:
+                self.escaped, self.in_string = (False, True) if self.escaped else (ch == "\\", ch != '"')
+            elif ch == '"':
+                self.in_string = True
+            elif ch in "[{":
+                self.depth += 1
+                self.start = k if self.depth == 2 else self.start
+            elif ch in "]}":
+                self.depth -= 1
+                if self.depth == 1:
+                    out.append(text[self.start:k + 1])
+        self.read = len(text)
+        return out
 
 
 def _partial_start(text: str) -> int:
