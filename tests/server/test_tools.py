@@ -146,6 +146,16 @@ def test_required_stream_sends_each_call_when_its_element_closes():
         (1, "{}")]
 
 
+def test_auto_stream_sends_each_call_when_its_block_closes():
+    stream = ToolStream(ToolUse([], "auto"))
+    assert stream.delta('Hi<tool_call>{"name": "now", "arguments": {}}</tool', False, None)[0] == {"content": "Hi"}
+    first = stream.delta('_call>\n<tool_call>{"name": "now", ', False, None)[0]["tool_calls"]
+    assert [(c["index"], c["function"]["name"]) for c in first] == [(0, "now")]
+    last, reason = stream.delta('"arguments": {"a": 1}}</tool_call>', True, "stop")
+    assert reason == "tool_calls" and [(c["index"], c["function"]["arguments"]) for c in last["tool_calls"]] == [
+        (1, '{"a": 1}')]
+
+
 def test_auto_stream_holds_a_possible_tool_call_start():
     use = ToolUse([], "auto")
     stream = ToolStream(use)

@@ -154,14 +154,15 @@ class ToolStream:
     """One streamed choice's deltas. Plain text (no tools, "none") streams as content. A named function streams its
     arguments as they come, the first delta carrying the call's id and name (vLLM). "required" sends each call whole
     once its element of the JSON array closes (vLLM also streams a call's arguments, from a partial JSON parser).
-    "auto" streams content until a <tool_call> may begin, then holds the rest and sends the calls (or, if none
-    parse, the text) at the end."""
+    "auto" streams content until a <tool_call> may begin, then sends each call as its block closes, and at the end
+    what is left (or, if the whole text holds no call, the rest as text, as the non-streamed message)."""
 
     def __init__(self, use: ToolUse | None) -> None:
         self.use = use
         self.text = ""
         self.sent = 0  # characters of text sent as content
-        self.held = False  # "auto": a <tool_call> began; the rest waits for the end
+        self.held = False  # "auto": a <tool_call> began; no more content until the end
+        self.blocks_read = 0  # "auto": characters of text read for closed blocks
         self.call_id: str | None = None  # named: the call's id, once its first delta is sent
         self.elements = _ArrayElements()  # "required": the array's elements as they close
         self.num_calls = 0  # calls sent
@@ -174,8 +175,8 @@ class ToolStream:
         if self.use.choice == "named":
             return self._named(text), finish_reason
         out = self._auto_content() if self.use.choice == "auto" else ""
-        calls = [c for e in self.elements.closed(self.text) for c in required_calls(f"[{e}]") or []] \
-            if self.use.choice == "required" else []
+        calls = self._auto_calls() if self.use.choice == "auto" else \
+            [c for e in self.elements.closed(self.text) for c in required_calls(f"[{e}]") or []]
         reason = None
         if finished:
             message, reason = self.use.message(self.text, finish_reason)
@@ -204,6 +205,19 @@ class ToolStream:
         end = start if self.held else len(self.text) - _partial_start(self.text)
         out, self.sent = self.text[self.sent:end], end
         return out
+
+
+    def _auto_calls(self) -> list[dict]:
+        """"auto": the calls of the blocks that closed since the last look."""
+        calls: list[dict] = []
+        while self.held:
+            start = self.text.find(CALL_START, self.blocks_read)
+            end = self.text.find(CALL_END, start) if start >= 0 else -1
+            if end < 0:
+                break
+            self.blocks_read = end + len(CALL_END)
+            calls += parse_hermes(self.text[start:self.blocks_read])[1]
+        return calls
 
 
 class _ArrayElements:
