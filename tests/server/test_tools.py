@@ -29,6 +29,7 @@ def test_tool_choice_kinds_and_the_template_tools():
     assert read_tool_use([], "required", None).choice == "none"  # OpenAI's: no tools to require
     named = read_tool_use(TOOLS, {"type": "function", "function": {"name": "weather"}}, None)
     assert (named.choice, named.name, named.schema()) == ("named", "weather", WEATHER)
+    assert read_tool_use(TOOLS, {"function": {"name": "now"}}, None).name == "now"  # type defaults to function
 
 
 @pytest.mark.parametrize("tools, choice, param", [
@@ -38,6 +39,7 @@ def test_tool_choice_kinds_and_the_template_tools():
     (TOOLS, "sometimes", "tool_choice"),
     (TOOLS, {"type": "function", "function": {"name": "missing"}}, "tool_choice"),
     (TOOLS, {"type": "function"}, "tool_choice"),
+    (TOOLS, {"type": "retrieval", "function": {"name": "now"}}, "tool_choice"),
     ([{"type": "retrieval"}], "required", "tools"),
     (["weather"], "required", "tools"),
     ([{"type": "function", "function": {"description": "no name"}}], "required", "tools"),

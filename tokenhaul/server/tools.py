@@ -92,7 +92,8 @@ def read_tool_use(tools: list[Any] | None, tool_choice: str | dict | None, parse
             raise RequestError(AUTO_REFUSED)
         return ToolUse(checked, tool_choice)
     fn = tool_choice.get("function") if isinstance(tool_choice, dict) else None
-    if not isinstance(fn, dict) or not isinstance(fn.get("name"), str) or tool_choice.get("type") != "function":
+    if not isinstance(fn, dict) or not isinstance(fn.get("name"), str) \
+            or tool_choice.get("type", "function") != "function":
         raise RequestError('tool_choice: "none", "auto", "required" or {"type": "function", "function": '
                            f'{{"name": ...}}}}, got {json.dumps(tool_choice)[:200]}')
     if fn["name"] not in {t["function"]["name"] for t in checked}:
