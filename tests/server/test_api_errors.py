@@ -299,7 +299,10 @@ def test_schemathesis(script_server, mode):
         checks.append(negative_data_rejection)
 
     @given(case=schema.as_strategy(GenerationMode(mode)))
-    @settings(max_examples=40, deadline=None, suppress_health_check=list(HealthCheck), database=None)
+    # derandomized: the same examples every run, so CI cannot fail by the luck of the draw (hunt with more
+    # examples and random seeds by hand: one such hunt found the 413 case below)
+    @settings(max_examples=40, deadline=None, suppress_health_check=list(HealthCheck), database=None,
+              derandomize=True)
     def fuzz(case):
         b = case.body
         if isinstance(b, dict):  # keep generation short: non-greedy sampling is slow on a busy CPU
@@ -309,6 +312,9 @@ def test_schemathesis(script_server, mode):
             if not isinstance(b.get("max_completion_tokens"), int):
                 b.setdefault("max_tokens", 4)
         r = case.call(base_url=url, timeout=60)
+        if r.status_code == 413:  # the body-size guard refuses first (more than --max-body-bytes): a rejection too,
+            ErrorResponse.model_validate(json.loads(r.text))  # though ST201's list of rejecting codes lacks 413
+            return
         case.validate_response(r, checks=checks)
         if r.status_code >= 400:
             ErrorResponse.model_validate(json.loads(r.text))
