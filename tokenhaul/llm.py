@@ -10,6 +10,7 @@ import torch
 from tqdm import tqdm
 
 from tokenhaul.config import engine_config
+from tokenhaul.decoding.grammar import GrammarCompiler
 from tokenhaul.engine.core import EngineCore
 from tokenhaul.engine.heap import frozen_heap
 from tokenhaul.errors import ModelError, RequestError
@@ -49,8 +50,9 @@ class LLM:
         if self.config.sparsity:
             self._sparsify()
         centers = self._key_centers() if self.config.kv_torch_dtype == torch.int8 else None
+        grammars = GrammarCompiler.for_tokenizer(self.tokenizer, self.model.config.vocab_size)  # read once, here
         self.core = EngineCore(self.config, self.model, draft_model=self.draft_model, draft_prefill_model=draft_dense,
-                               key_centers=centers)
+                               key_centers=centers, grammars=grammars)
         self.costs = ModelCosts.from_model(
             self.model, KVCache.bytes_per_value(self.config.kv_torch_dtype, self.model.config.head_dim),
             self.config.deterministic)

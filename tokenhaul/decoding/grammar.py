@@ -8,6 +8,7 @@ the request's matcher once (engine/scheduler.py), so recompute after preemption 
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
+from typing import TYPE_CHECKING
 
 import torch
 from llguidance import LLMatcher, LLTokenizer
@@ -15,6 +16,9 @@ from llguidance import LLMatcher, LLTokenizer
 from tokenhaul.engine.request import Request
 from tokenhaul.errors import RequestError, TokenhaulError
 from tokenhaul.structured_outputs import StructuredOutputsParams
+
+if TYPE_CHECKING:
+    from tokenhaul.text.tokenizer import Tokenizer
 
 _BITS = torch.arange(32, dtype=torch.int32)
 
@@ -57,10 +61,14 @@ class GrammarCompiler:
             from tokenhaul.text.tokenizer import Tokenizer
 
             files = resolve(model)
-            tok = Tokenizer.from_gguf(files.gguf_path, files.cache_dir, files.name)
-            return tok.backend.to_str(), tok.eos_token_ids
+            return _tokenizer_json(Tokenizer.from_gguf(files.gguf_path, files.cache_dir, files.name))
 
         return cls(load, vocab_size)
+
+    @classmethod
+    def for_tokenizer(cls, tokenizer: Tokenizer, vocab_size: int) -> GrammarCompiler:
+        """The compiler over a tokenizer already loaded (LLM's): not read from the model's file again."""
+        return cls(lambda: _tokenizer_json(tokenizer), vocab_size)
 
     def tokenizer(self) -> LLTokenizer:
         if self._tokenizer is None:
@@ -82,6 +90,10 @@ class GrammarCompiler:
             raise RequestError(f"structured_outputs.{params.kind} is invalid: "
                                f"{' '.join(matcher.get_error().split())[:300]}")
         return Grammar(matcher)
+
+
+def _tokenizer_json(tokenizer: Tokenizer) -> tuple[str, Sequence[int]]:
+    return tokenizer.backend.to_str(), tokenizer.eos_token_ids
 
 
 def mask_logits(logits: torch.Tensor, reqs: Sequence[Request]) -> torch.Tensor:
