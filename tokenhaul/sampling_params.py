@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import math
-from collections.abc import Collection
+from collections.abc import Callable, Collection
 from dataclasses import dataclass, field
 
 from tokenhaul.errors import RequestError
@@ -43,6 +43,12 @@ class SamplingParams:
     logit_bias: dict[int, float] = field(default_factory=dict)  # token id → added to its logit, in [-100, 100]
     min_tokens: int = 0  # EOS and stop_token_ids cannot be sampled before this many output tokens (vLLM's)
     structured_outputs: StructuredOutputsParams | None = None  # constrained decoding (json / regex / choice / ...)
+    allowed_token_ids: list[int] | None = None  # vLLM's: only these tokens may be sampled
+    bad_words: list[str] = field(default_factory=list)  # vLLM's: words never generated (see update_from_tokenizer)
+    truncate_prompt_tokens: int | None = None  # vLLM's: the front end keeps only the prompt's last k tokens
+    # bad_words as token sequences (both with and without a leading space), set by the front end's tokenizer:
+    # a sequence's last token is banned wherever the output so far ends with the rest of it
+    bad_words_token_ids: list[list[int]] = field(default_factory=list)
 
     def __post_init__(self) -> None:
         if self.stop is None:  # vLLM's None: no stop strings / stop tokens
@@ -51,12 +57,17 @@ class SamplingParams:
             self.stop_token_ids = []
         if isinstance(self.stop, str):
             self.stop = [self.stop]
+        if self.bad_words is None or isinstance(self.bad_words, str):
+            self.bad_words = [] if self.bad_words is None else [self.bad_words]
         self._check_types()
         self.stop = [s for s in self.stop if s]
         self.stop_token_ids = list(self.stop_token_ids)
         if self.top_k == -1:
             self.top_k = 0
         self.logit_bias = _checked_bias(self.logit_bias)
+        self.bad_words = list(self.bad_words)
+        if self.allowed_token_ids is not None:
+            self.allowed_token_ids = list(self.allowed_token_ids)
         if isinstance(self.structured_outputs, dict):
             self.structured_outputs = _structured(self.structured_outputs)
         checks = [
@@ -88,10 +99,11 @@ class SamplingParams:
              f"structured_outputs must be a StructuredOutputsParams, got {type(self.structured_outputs).__name__}"),
             (self.structured_outputs is None or (self.speculative == "off" and not self.use_beam_search),
              "structured_outputs does not combine with speculative decoding or use_beam_search"),
-            (not self.use_beam_search or (self.speculative == "off" and not self.adjusts_logits
+            (not self.use_beam_search or (self.speculative == "off" and not self.adjusts_logits and not self.bad_words
                                           and self.logprobs is None and self.prompt_logprobs is None
                                           and not self.stop),
-             "use_beam_search does not combine with speculative, penalties, logit_bias, min_tokens, logprobs or "
+             "use_beam_search does not combine with speculative, penalties, logit_bias, min_tokens, allowed_token_ids, "
+             "bad_words, logprobs or "
              "prompt_logprobs (beams carry scores) or stop strings (beams end at stop_token_ids and EOS)"),
         ]
         for ok, msg in checks:
@@ -118,6 +130,17 @@ class SamplingParams:
              f"stop must be a string or a list of strings, got {self.stop!r}"),
             (isinstance(self.stop_token_ids, (list, tuple)) and all(_is_int(t) and t >= 0 for t in self.stop_token_ids),
              f"stop_token_ids must be a list of token ids (integers >= 0), got {self.stop_token_ids!r}"),
+            (self.allowed_token_ids is None or (isinstance(self.allowed_token_ids, (list, tuple))
+                                                and len(self.allowed_token_ids) > 0
+                                                and all(_is_int(t) and t >= 0 for t in self.allowed_token_ids)),
+             f"allowed_token_ids must be a non-empty list of token ids (integers >= 0), "
+             f"got {self.allowed_token_ids!r}"),
+            (isinstance(self.bad_words, (list, tuple))
+             and all(isinstance(w, str) and w.strip() for w in self.bad_words),
+             f"bad_words must be a list of non-blank strings, got {self.bad_words!r}"),
+            (self.truncate_prompt_tokens is None or (_is_int(self.truncate_prompt_tokens)
+                                                     and self.truncate_prompt_tokens >= 1),
+             f"truncate_prompt_tokens must be a positive integer, got {self.truncate_prompt_tokens!r}"),
         ]
         for ok, msg in checks:
             if not ok:
@@ -129,10 +152,24 @@ class SamplingParams:
 
     @property
     def adjusts_logits(self) -> bool:
-        """Penalties, a logit bias, min_tokens or a structured output's mask change the logits before sampling
-        (greedy too: no fast argmax)."""
+        """Penalties, a logit bias, min_tokens, allowed tokens, bad words or a structured output's mask change the
+        logits before sampling (greedy too: no fast argmax)."""
         return (self.structured_outputs is not None or self.min_tokens > 0 or self.repetition_penalty != 1.0
-                or self.presence_penalty != 0.0 or self.frequency_penalty != 0.0 or bool(self.logit_bias))
+                or self.presence_penalty != 0.0 or self.frequency_penalty != 0.0 or bool(self.logit_bias)
+                or self.allowed_token_ids is not None or bool(self.bad_words_token_ids))
+
+    def update_from_tokenizer(self, encode: Callable[[str], list[int]]) -> None:
+        """Tokenize bad_words (the front end calls this; `encode` adds no special tokens), as vLLM: each word as
+        written without its leading spaces, and with one leading space where that gives other tokens of the same
+        count (the word inside text rather than at its start)."""
+        seqs: list[list[int]] = []
+        for word in self.bad_words:
+            plain = encode(word.lstrip())
+            seqs.append(plain)
+            spaced = encode(" " + word.lstrip())
+            if spaced and plain and spaced[0] != plain[0] and len(spaced) == len(plain):
+                seqs.append(spaced)
+        self.bad_words_token_ids = [q for q in seqs if q]
 
     def check_served(self, speculative: Collection[str]) -> None:
         """Refuse a speculative method the engine does not serve (its proposers: `speculative`)."""

@@ -18,7 +18,7 @@ class Sample:
     token: int
     logprob: float | None = None
     top_logprobs: list[tuple[int, float]] | None = None  # (token id, logprob), best first
-    rank: int | None = None  # prompt logprobs: 1-based among the vocabulary (tokens at least as likely, as vLLM)
+    rank: int | None = None  # with its logprob: 1-based among the vocabulary (tokens at least as likely, as vLLM)
 
 
 @dataclass
@@ -78,8 +78,14 @@ class CoreLimits:
             raise RequestError(f"{what} contains token id {bad!r}, outside the vocabulary [0, {self.vocab_size})")
 
     def check_params(self, params: SamplingParams) -> None:
-        """The token ids a request's parameters name must index the vocabulary too (logit_bias's)."""
+        """The token ids a request's parameters name must index the vocabulary too (logit_bias's, allowed_token_ids',
+        bad words' once tokenized); bad_words reach the core tokenized (SamplingParams.update_from_tokenizer)."""
         self.check_token_ids(params.logit_bias, "logit_bias")
+        self.check_token_ids(params.allowed_token_ids or (), "allowed_token_ids")
+        self.check_token_ids((t for q in params.bad_words_token_ids for t in q), "bad_words")
+        if params.bad_words and not params.bad_words_token_ids:
+            raise RequestError("bad_words must be tokenized by the front end before the engine core gets them "
+                               "(SamplingParams.update_from_tokenizer)")
 
 
 @dataclass(frozen=True)
