@@ -9,7 +9,7 @@ import pytest
 from tokenhaul.errors import RequestError
 from tokenhaul.kv.manager import KVHolder
 from tokenhaul.sampling_params import SamplingParams
-from tokenhaul.server.protocol import CompletionRequest
+from tokenhaul.server.completion_protocol import CompletionRequest
 
 pytestmark = pytest.mark.real_model
 

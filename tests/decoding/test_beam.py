@@ -197,7 +197,7 @@ def test_equals_transformers_num_beams_4(smollm):
 
 def test_reachable_from_server_body_and_cli_flags():
     from tokenhaul.cli import build_parser, sampling_params
-    from tokenhaul.server.protocol import CompletionRequest
+    from tokenhaul.server.completion_protocol import CompletionRequest
 
     p = CompletionRequest(prompt="x", use_beam_search=True, beam_width=2).sampling_params(8, None)
     assert p.use_beam_search and p.beam_width == 2 and p.length_penalty == 1.0

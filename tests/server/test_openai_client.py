@@ -6,7 +6,8 @@ import openai
 import pytest
 from serverkit import MODEL
 
-from tokenhaul.server.protocol import ChatCompletionChunk, ChatCompletionResponse, CompletionResponse
+from tokenhaul.server.chat_protocol import ChatCompletionChunk, ChatCompletionResponse
+from tokenhaul.server.completion_protocol import CompletionResponse
 
 pytestmark = pytest.mark.real_model
 

@@ -10,7 +10,8 @@ import pytest
 from serverkit import MODEL
 
 from tokenhaul.sampling_params import SamplingParams
-from tokenhaul.server.protocol import ChatCompletionResponse, CompletionResponse
+from tokenhaul.server.chat_protocol import ChatCompletionResponse
+from tokenhaul.server.completion_protocol import CompletionResponse
 
 pytestmark = pytest.mark.real_model
 

@@ -107,7 +107,7 @@ def test_script_n_choices_stream(script_server, client):
 def test_script_echo_puts_each_prompt_before_its_choices(script_server, client, tokenizer):
     """echo (OpenAI, vLLM): each choice's text is its prompt, then the completion; streamed, the prompt comes first;
     a prompt of token ids is echoed decoded; usage counts as without echo."""
-    from tokenhaul.server.protocol import CompletionResponse
+    from tokenhaul.server.completion_protocol import CompletionResponse
 
     url = script_server[0] + CMPL
     prompts = ["Start:", "你好 b b"]
@@ -222,7 +222,7 @@ def test_script_logprobs_bytes_and_offsets_across_split_characters(script_server
 
 def test_script_completion_logprobs_0_top_is_the_sampled_token(script_server, client):
     """logprobs 0 (as vLLM): token_logprobs, and top_logprobs entries holding the sampled token alone."""
-    from tokenhaul.server.protocol import CompletionResponse
+    from tokenhaul.server.completion_protocol import CompletionResponse
 
     url = script_server[0] + CMPL
     body = {"prompt": "Start:", "max_tokens": 8, "temperature": 0, "logprobs": 0}
@@ -262,7 +262,8 @@ def test_script_logit_bias_completions_and_chat(script_server, client, tokenizer
 def test_script_stop_reason_is_the_stop_token_id(script_server, client, tokenizer):
     """Stopped at one of stop_token_ids: stop_reason is that id, an int (vLLM); streamed or not, completions and
     chat."""
-    from tokenhaul.server.protocol import ChatCompletionChunk, ChatCompletionResponse, CompletionResponse
+    from tokenhaul.server.chat_protocol import ChatCompletionChunk, ChatCompletionResponse
+    from tokenhaul.server.completion_protocol import CompletionResponse
 
     url, _, model = script_server
     script = model.script.tolist()
@@ -291,7 +292,7 @@ def test_script_stop_reason_is_the_stop_token_id(script_server, client, tokenize
 def test_script_completion_top_logprobs_hold_the_sampled_token(script_server, client, tokenizer):
     """Completions' logprobs k: the k most likely tokens, and the sampled one where it is not among them (OpenAI's
     "as well the chosen tokens", vLLM's k + 1 entries); chat's top_logprobs stay k."""
-    from tokenhaul.server.protocol import CompletionResponse
+    from tokenhaul.server.completion_protocol import CompletionResponse
 
     url = script_server[0]
     tid = tokenizer.encode(" banana", add_special_tokens=False)[0]  # forced: far from the script's top token

@@ -10,8 +10,8 @@ import jsonschema
 import pytest
 
 from tokenhaul.errors import RequestError, TokenhaulError
+from tokenhaul.server.chat_protocol import ChatMessage
 from tokenhaul.server.guards import ServerOptions
-from tokenhaul.server.protocol import ChatMessage
 from tokenhaul.server.tools import AUTO_REFUSED, ToolStream, ToolUse, parse_hermes, read_tool_use
 
 WEATHER = {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}

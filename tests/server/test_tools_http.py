@@ -20,8 +20,8 @@ from tokenhaul.config import EngineConfig
 from tokenhaul.engine.core import EngineCore
 from tokenhaul.server.app import build_app
 from tokenhaul.server.async_engine import AsyncEngine
+from tokenhaul.server.chat_protocol import ChatMessage
 from tokenhaul.server.guards import ServerOptions
-from tokenhaul.server.protocol import ChatMessage
 from tokenhaul.server.tools import read_tool_use
 from tokenhaul.text.tokenizer import Tokenizer
 

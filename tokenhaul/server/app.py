@@ -21,21 +21,31 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.middleware.cors import CORSMiddleware
 
 from tokenhaul.errors import TokenhaulError
-from tokenhaul.server import protocol as P
 from tokenhaul.server.async_engine import AsyncEngine
+from tokenhaul.server.chat import ChatHandler
+from tokenhaul.server.chat_protocol import ChatCompletionRequest, ChatCompletionResponse
+from tokenhaul.server.completion_protocol import CompletionRequest, CompletionResponse
+from tokenhaul.server.completions import CompletionsHandler
+from tokenhaul.server.errors import APIError, ClientGone, unknown_model
 from tokenhaul.server.guards import LOOPBACK_HOSTS, Guard, ServerOptions
 from tokenhaul.server.http_protocol import uvicorn_config
 from tokenhaul.server.metrics import CONTENT_TYPE
-from tokenhaul.server.openai_api import APIError, ClientGone, OpenAIHandlers, unknown_model
+from tokenhaul.server.protocol import ErrorResponse, ModelCard, ModelList
 from tokenhaul.server.tokenization import TokenizationHandlers
+from tokenhaul.server.tokenize_protocol import (
+    DetokenizeRequest,
+    DetokenizeResponse,
+    TokenizeRequest,
+    TokenizeResponse,
+)
 
 _ERRORS: dict[int | str, dict[str, Any]] = {
-    400: {"model": P.ErrorResponse, "description": "Invalid request"},
-    401: {"model": P.ErrorResponse, "description": "Missing or invalid API key"},
-    404: {"model": P.ErrorResponse, "description": "Unknown model"},
-    413: {"model": P.ErrorResponse, "description": "Request body too large"},
-    429: {"model": P.ErrorResponse, "description": "Waiting queue full; retry later"},
-    503: {"model": P.ErrorResponse, "description": "Engine not running"},
+    400: {"model": ErrorResponse, "description": "Invalid request"},
+    401: {"model": ErrorResponse, "description": "Missing or invalid API key"},
+    404: {"model": ErrorResponse, "description": "Unknown model"},
+    413: {"model": ErrorResponse, "description": "Request body too large"},
+    429: {"model": ErrorResponse, "description": "Waiting queue full; retry later"},
+    503: {"model": ErrorResponse, "description": "Engine not running"},
 }
 log = logging.getLogger("tokenhaul.server")
 
@@ -103,7 +113,8 @@ def build_app(engine: AsyncEngine, options: ServerOptions | None = None, manage_
     if options.allowed_origins:  # outermost: preflights are answered before the key is asked for
         app.add_middleware(CORSMiddleware, allow_origins=list(options.allowed_origins),
                            allow_methods=["GET", "POST"], allow_headers=["authorization", "content-type"])
-    api = OpenAIHandlers(engine, options.tool_call_parser if options.enable_auto_tool_choice else None)
+    completion_api = CompletionsHandler(engine)
+    chat_api = ChatHandler(engine, options.tool_call_parser if options.enable_auto_tool_choice else None)
     tok = TokenizationHandlers(engine)
 
     @app.exception_handler(APIError)
@@ -154,11 +165,11 @@ def build_app(engine: AsyncEngine, options: ServerOptions | None = None, manage_
         return {"id": engine.model_name, "object": "model", "created": engine.created, "owned_by": "tokenhaul",
                 "max_model_len": engine.limits.max_model_len}
 
-    @app.get("/v1/models", response_model=P.ModelList)
+    @app.get("/v1/models", response_model=ModelList)
     async def models() -> dict:
         return {"object": "list", "data": [card()]}
 
-    @app.get("/v1/models/{model:path}", response_model=P.ModelCard, responses={404: _ERRORS[404]})
+    @app.get("/v1/models/{model:path}", response_model=ModelCard, responses={404: _ERRORS[404]})
     async def model(model: str) -> dict:
         """The served model's card, as /v1/models lists it (a name may hold '/'); 404 for any other name."""
         if model != engine.model_name:
@@ -170,24 +181,24 @@ def build_app(engine: AsyncEngine, options: ServerOptions | None = None, manage_
     stream_doc = {"text/event-stream": {"schema": event}}  # OpenAPI < 3.2: `schema` describes one event
 
     @app.post("/v1/completions", response_model=None,
-              responses={200: {"model": P.CompletionResponse, "content": stream_doc}, **_ERRORS})
-    async def completions(body: P.CompletionRequest, request: Request) -> Response:
-        return await api.completions(body, request)
+              responses={200: {"model": CompletionResponse, "content": stream_doc}, **_ERRORS})
+    async def completions(body: CompletionRequest, request: Request) -> Response:
+        return await completion_api.completions(body, request)
 
     @app.post("/v1/chat/completions", response_model=None,
-              responses={200: {"model": P.ChatCompletionResponse, "content": stream_doc}, **_ERRORS})
-    async def chat_completions(body: P.ChatCompletionRequest, request: Request) -> Response:
-        return await api.chat(body, request)
+              responses={200: {"model": ChatCompletionResponse, "content": stream_doc}, **_ERRORS})
+    async def chat_completions(body: ChatCompletionRequest, request: Request) -> Response:
+        return await chat_api.chat(body, request)
 
     tok_errors = {k: _ERRORS[k] for k in (400, 401, 404, 413)}
 
-    @app.post("/tokenize", response_model=P.TokenizeResponse, responses=tok_errors)
-    async def tokenize(body: P.TokenizeRequest) -> dict:
+    @app.post("/tokenize", response_model=TokenizeResponse, responses=tok_errors)
+    async def tokenize(body: TokenizeRequest) -> dict:
         """vLLM's: the token ids of a `prompt`, or of `messages` rendered as /v1/chat/completions renders them."""
         return await tok.tokenize(body)
 
-    @app.post("/detokenize", response_model=P.DetokenizeResponse, responses=tok_errors)
-    async def detokenize(body: P.DetokenizeRequest) -> dict:
+    @app.post("/detokenize", response_model=DetokenizeResponse, responses=tok_errors)
+    async def detokenize(body: DetokenizeRequest) -> dict:
         """vLLM's: the text of token ids."""
         return await tok.detokenize(body)
 

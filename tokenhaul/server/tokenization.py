@@ -6,10 +6,10 @@ from __future__ import annotations
 import asyncio
 
 from tokenhaul.errors import TokenhaulError
-from tokenhaul.server import protocol as P
 from tokenhaul.server.async_engine import AsyncEngine
-from tokenhaul.server.openai_api import APIError, check_model, refused
-from tokenhaul.server.tools import read_tools
+from tokenhaul.server.errors import APIError, check_model, refused
+from tokenhaul.server.tokenize_protocol import DetokenizeRequest, TokenizeChatRequest, TokenizeCompletionRequest
+from tokenhaul.server.tools import read_tools, with_tools
 
 
 class TokenizationHandlers:
@@ -18,18 +18,17 @@ class TokenizationHandlers:
     def __init__(self, engine: AsyncEngine) -> None:
         self.engine = engine
 
-    async def tokenize(self, body: P.TokenizeCompletionRequest | P.TokenizeChatRequest) -> dict:
+    async def tokenize(self, body: TokenizeCompletionRequest | TokenizeChatRequest) -> dict:
         """A prompt's or a chat's token ids, their count and the model's context length (and with
         return_token_strs each token's vocabulary string; else null, as vLLM)."""
         e = self.engine
         check_model(e, body.model)
-        chat = isinstance(body, P.TokenizeChatRequest)
+        chat = isinstance(body, TokenizeChatRequest)
         try:
             if chat:
                 messages = [m.as_template_dict() for m in body.messages]
-                kwargs = body.chat_template_kwargs
-                if body.tools is not None:  # rendered as chat completions renders them (vLLM)
-                    kwargs = {"tools": read_tools(body.tools)} | (kwargs or {})
+                tools = None if body.tools is None else read_tools(body.tools)  # as chat completions (vLLM)
+                kwargs = with_tools(body.chat_template_kwargs, tools)
                 ids = await e.encode_chat(messages, body.add_generation_prompt, body.continue_final_message,
                                           body.add_special_tokens, kwargs)
             else:
@@ -39,7 +38,7 @@ class TokenizationHandlers:
         strs = [e.tokenizer.token_text(t) for t in ids] if body.return_token_strs else None
         return {"count": len(ids), "max_model_len": e.limits.max_model_len, "tokens": ids, "token_strs": strs}
 
-    async def detokenize(self, body: P.DetokenizeRequest) -> dict:
+    async def detokenize(self, body: DetokenizeRequest) -> dict:
         """The text of token ids, special tokens included (as vLLM); an id outside the vocabulary is a 400."""
         e = self.engine
         check_model(e, body.model)

@@ -101,6 +101,12 @@ def read_tool_use(tools: list[Any] | None, tool_choice: str | dict | None, parse
     return ToolUse(checked, "named", fn["name"])
 
 
+def with_tools(template_kwargs: dict[str, Any] | None, tools: list[dict] | None) -> dict[str, Any] | None:
+    """The chat template's variables: the checked tools (if any) under "tools", the request's own kwargs winning
+    (vLLM's chat_template_kwargs), as chat completions and /tokenize render a chat."""
+    return template_kwargs if tools is None else {"tools": tools} | (template_kwargs or {})
+
+
 def read_tools(tools: list[Any]) -> list[dict]:
     """Each tool as vLLM's model_dump() gives it to the template; anything else is a 400 naming tools."""
     out = []

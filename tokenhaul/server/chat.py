@@ -1,0 +1,113 @@
+"""/v1/chat/completions: messages rendered by the model's chat template (with the request's tools), n choices,
+OpenAI's logprobs and vLLM's prompt_logprobs; tool calls read from the text as server/tools.py says; streamed as
+SSE chunks or gathered into one response."""
+
+from __future__ import annotations
+
+import time
+import uuid
+
+from fastapi import Request
+from fastapi.responses import JSONResponse, Response
+
+from tokenhaul.errors import RequestError, TokenhaulError
+from tokenhaul.outputs import TokenLogprob
+from tokenhaul.server.async_engine import AsyncEngine, GenerationDelta
+from tokenhaul.server.chat_protocol import ChatCompletionRequest
+from tokenhaul.server.errors import check_model, refused
+from tokenhaul.server.serving import REPLICA_HEADER, OpenAIServing, continuous_usage, finite
+from tokenhaul.server.tools import ToolStream, read_tool_use, with_tools
+
+
+class ChatHandler(OpenAIServing):
+    """/v1/chat/completions; one instance per app."""
+
+    def __init__(self, engine: AsyncEngine, tool_parser: str | None = None) -> None:
+        super().__init__(engine)
+        self.tool_parser = tool_parser  # with --enable-auto-tool-choice: tool_choice "auto" is served by it
+
+    async def chat(self, body: ChatCompletionRequest, request: Request) -> Response:
+        e = self.engine
+        check_model(e, body.model)
+        try:
+            body.check_unsupported()
+            if body.top_logprobs is not None and not body.logprobs:
+                raise RequestError("top_logprobs requires logprobs to be true")
+            messages = [m.as_template_dict() for m in body.messages]
+            tool_use = read_tool_use(body.tools, body.tool_choice, self.tool_parser)
+            # the template gets the tools, with "none" too (vLLM's default)
+            kwargs = with_tools(body.chat_template_kwargs, None if tool_use is None else tool_use.tools)
+            prompt = await e.encode_chat(messages, body.add_generation_prompt, body.continue_final_message,
+                                         template_kwargs=kwargs)
+            max_tokens = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
+            if max_tokens is None:  # as much as fits in the context and the KV pool
+                room = min(e.limits.max_model_len, e.limits.num_blocks * e.limits.block_size) - len(prompt)
+                max_tokens = max(1, room)
+            lp = (body.top_logprobs or 0) if body.logprobs else None
+            shown_k = None if body.stream else body.prompt_logprobs  # no stream chunk carries them (vLLM)
+            params = body.choice_params(max_tokens, lp, shown_k, tool_schema=tool_use and tool_use.schema())
+        except TokenhaulError as err:
+            raise refused(e, err, "messages") from None
+        rid = f"chatcmpl-{uuid.uuid4().hex}"
+        stream = self.admit([prompt] * len(params), params, rid, "messages")
+        created, model = int(time.time()), e.model_name
+        out_tokens = [0] * body.n
+        want_lp = body.logprobs
+
+        def usage() -> dict:
+            done = sum(out_tokens)
+            return {"prompt_tokens": len(prompt), "completion_tokens": done, "total_tokens": len(prompt) + done}
+
+        if not body.stream:
+            acc = await self.gather(stream, body.n, request)
+            choices = []
+            for i, c in enumerate(acc):
+                out_tokens[i] = c.num_tokens
+                message, reason = ({"role": "assistant", "content": c.text}, c.finish_reason) if tool_use is None \
+                    else tool_use.message(c.text, c.finish_reason)
+                choices.append({"index": i, "message": message,
+                                "logprobs": {"content": self._chat_logprobs(c.logprobs)} if want_lp else None,
+                                "finish_reason": reason, "stop_reason": c.stop_reason})
+            return JSONResponse({"id": rid, "object": "chat.completion", "created": created, "model": model,
+                                 "choices": choices, "usage": usage(),
+                                 "prompt_logprobs": self.prompt_logprobs(acc[0].prompt_logprobs, shown_k)},
+                                headers={REPLICA_HEADER: stream.replica})
+
+        def chunk(choices: list[dict]) -> dict:
+            return {"id": rid, "object": "chat.completion.chunk", "created": created, "model": model,
+                    "choices": choices}
+
+        head = [chunk([{"index": i, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
+                        "finish_reason": None} for i in range(body.n)])]
+
+        tool_streams = [ToolStream(tool_use) for _ in range(body.n)]
+
+        def frames(items: list[tuple[int, GenerationDelta]]) -> list[dict]:
+            choices = []
+            for i, d in items:
+                out_tokens[i] = d.num_output_tokens
+                delta, reason = tool_streams[i].delta(d.text, d.finished, d.finish_reason)
+                if not delta and not d.finished and not want_lp:
+                    continue
+                choices.append({"index": i, "delta": delta,
+                                "logprobs": {"content": self._chat_logprobs(d.logprobs or [])} if want_lp else None,
+                                "finish_reason": reason if d.finished else None,
+                                "stop_reason": d.stop_reason})
+            return [chunk(choices)] if choices else []
+
+        def tail() -> list[dict]:
+            if not (body.stream_options and body.stream_options.include_usage):
+                return []
+            return [chunk([]) | {"usage": usage()}]
+
+        return self.sse(stream, frames, tail, head, usage if continuous_usage(body.stream_options) else None)
+
+    def _chat_logprobs(self, lps: list[TokenLogprob]) -> list[dict]:
+        out = []
+        for lp in lps:
+            t = self.token_text(lp.token_id)
+            top = [{"token": self.token_text(tid), "logprob": finite(v), "bytes": list(self.token_bytes(tid))}
+                   for tid, v in (lp.top or [])]
+            out.append({"token": t, "logprob": finite(lp.logprob), "bytes": list(self.token_bytes(lp.token_id)),
+                        "top_logprobs": top})
+        return out

@@ -1,0 +1,219 @@
+"""/v1/completions: prompts (text, token ids, or lists of either) × n choices, with OpenAI's echo and logprobs
+(the prompt's tokens first with echo, where each token's text starts) and vLLM's prompt_logprobs; streamed as SSE
+chunks or gathered into one response."""
+
+from __future__ import annotations
+
+import asyncio
+import codecs
+import time
+import uuid
+
+from fastapi import Request
+from fastapi.responses import JSONResponse, Response
+
+from tokenhaul.errors import RequestError, TokenhaulError
+from tokenhaul.outputs import TokenLogprob
+from tokenhaul.server.async_engine import GenerationDelta
+from tokenhaul.server.completion_protocol import CompletionRequest
+from tokenhaul.server.errors import check_model, refused
+from tokenhaul.server.serving import REPLICA_HEADER, GatheredChoice, OpenAIServing, continuous_usage, finite
+
+MAX_CHOICES = 64  # prompts × n per call
+# one completions logprobs row: token id, logprob (None: the prompt's first token), the k best, its bytes in the text
+_Row = tuple[int, float | None, list[tuple[int, float]] | None, bytes]
+
+
+class CompletionsHandler(OpenAIServing):
+    """/v1/completions; one instance per app."""
+
+    async def completions(self, body: CompletionRequest, request: Request) -> Response:
+        e = self.engine
+        check_model(e, body.model)
+        try:
+            body.check_unsupported()
+            batch = _num_prompts(body.prompt)
+            if batch * body.n > MAX_CHOICES:
+                raise RequestError(f"n × prompts is {batch * body.n}; at most {MAX_CHOICES} per call")
+            prompts = await self._completion_prompts(body.prompt)
+            echoes = await self._echo_texts(body, prompts) if body.echo else None
+            # echo with max_tokens 0 scores the prompt (OpenAI's, vLLM's echo without generation): the engine runs
+            # one token, and the choices hold the prompt alone, its logprobs with logprobs
+            scoring = body.echo and body.max_tokens == 0
+            if body.max_tokens == 0 and not body.echo:
+                raise RequestError("max_tokens must be at least 1 (0 only with echo: the prompt scored alone)")
+            max_tokens = 1 if scoring else body.max_tokens if body.max_tokens is not None else 16
+            echo_k = body.logprobs if body.echo else None  # echo's logprobs cover the prompt too
+            # vLLM's prompt_logprobs, else echo's k (its to_sampling_params); no stream chunk carries them
+            shown_k = None if body.stream else body.prompt_logprobs if body.prompt_logprobs is not None else echo_k
+            engine_k = max((k for k in (shown_k, echo_k) if k is not None), default=None)
+            per_prompt = [body.choice_params(max_tokens, body.logprobs, engine_k, every_choice=body.stream)
+                          for _ in prompts]
+        except TokenhaulError as err:
+            raise refused(e, err) from None
+        params = [p for ps in per_prompt for p in ps]
+        flat = [ids for ids, ps in zip(prompts, per_prompt) for _ in ps]
+        num_choices = len(prompts) * body.n
+        rid = f"cmpl-{uuid.uuid4().hex}"
+        stream = self.admit(flat, params, rid, "prompt")
+        created, model = int(time.time()), e.model_name
+        n_prompt = sum(len(p) for p in prompts)
+        want_lp = body.logprobs is not None
+        k = body.logprobs or 0
+        offsets = _TextOffsets(num_choices)
+        out_tokens = [0] * num_choices
+        shown = [self._echoed_bytes(body, ids) for ids in prompts] if echo_k is not None else []
+
+        def echo_rows(i: int, prompt_lps: list[TokenLogprob | None] | None) -> list[_Row]:
+            """Choice i's prompt tokens as logprobs rows (no logprobs if none came: the request ended first)."""
+            ids = prompts[i // body.n]
+            plps = prompt_lps or [None] * len(ids)
+            return [(tid, None if p is None else p.logprob, None if p is None else (p.top or [])[:k], b)
+                    for tid, p, b in zip(ids, plps, shown[i // body.n])]
+
+        def usage() -> dict:
+            done = sum(out_tokens)
+            return {"prompt_tokens": n_prompt, "completion_tokens": done, "total_tokens": n_prompt + done}
+
+        if not body.stream:
+            acc = await self.gather(stream, num_choices, request)
+            choices = []
+            for i, c in enumerate(acc):
+                if scoring:  # the token the engine ran is not the client's, nor why it ended: cut at 0 tokens
+                    c = GatheredChoice(finish_reason="length")
+                out_tokens[i] = c.num_tokens
+                prompt_lps = acc[i - i % body.n].prompt_logprobs  # the prompt's first choice asked for them
+                lp = None
+                if want_lp:
+                    head = echo_rows(i, prompt_lps) if echo_k is not None else []
+                    lp = self._completion_logprobs(head + self._rows(c.logprobs), offsets, i)
+                text = c.text if echoes is None else echoes[i // body.n] + c.text
+                choices.append({"index": i, "text": text, "logprobs": lp, "finish_reason": c.finish_reason,
+                                "stop_reason": c.stop_reason,
+                                "prompt_logprobs": self.prompt_logprobs(prompt_lps, shown_k)})
+            return JSONResponse({"id": rid, "object": "text_completion", "created": created, "model": model,
+                                 "choices": choices, "usage": usage()}, headers={REPLICA_HEADER: stream.replica})
+
+        unechoed = set(range(num_choices)) if echo_k is not None else set()
+        scored: dict[int, list[TokenLogprob | None] | None] = {}  # scoring: prompt logprobs held to the chunk
+
+        def frames(items: list[tuple[int, GenerationDelta]]) -> list[dict]:
+            choices = []
+            for i, d in items:
+                if scoring:  # one chunk per choice once its engine token is done: the prompt and its logprobs (vLLM)
+                    scored[i] = scored.get(i) or d.prompt_logprobs
+                    if d.finished:
+                        lp = self._completion_logprobs(echo_rows(i, scored.pop(i)), offsets, i) if want_lp else None
+                        choices.append({"index": i, "text": echoes[i // body.n], "logprobs": lp,
+                                        "finish_reason": "length", "stop_reason": None})
+                    continue
+                out_tokens[i] = d.num_output_tokens
+                if not d.text and not d.finished and not want_lp:
+                    continue  # held back (stop-string prefix or incomplete character): nothing to say
+                text, lp = d.text, None
+                if i in unechoed:  # echo with logprobs: the prompt and its logprobs with the first token (vLLM)
+                    unechoed.discard(i)
+                    text = echoes[i // body.n] + text
+                    lp = self._completion_logprobs(echo_rows(i, d.prompt_logprobs) + self._rows(d.logprobs or []),
+                                                   offsets, i)
+                elif want_lp:
+                    lp = self._completion_logprobs(self._rows(d.logprobs or []), offsets, i)
+                choices.append({"index": i, "text": text, "logprobs": lp,
+                                "finish_reason": d.finish_reason if d.finished else None,
+                                "stop_reason": d.stop_reason})
+            if not choices:
+                return []
+            return [{"id": rid, "object": "text_completion", "created": created, "model": model,
+                     "choices": choices}]
+
+        def tail() -> list[dict]:
+            if not (body.stream_options and body.stream_options.include_usage):
+                return []
+            return [{"id": rid, "object": "text_completion", "created": created, "model": model,
+                     "choices": [], "usage": usage()}]
+
+        head = None
+        if echoes is not None and echo_k is None and not scoring:  # each choice's prompt first, as its own chunk
+            head = [{"id": rid, "object": "text_completion", "created": created, "model": model,
+                     "choices": [{"index": i, "text": echoes[i // body.n], "logprobs": None, "finish_reason": None,
+                                  "stop_reason": None} for i in range(num_choices)]}]
+        return self.sse(stream, frames, tail, head, usage if continuous_usage(body.stream_options) else None)
+
+    async def _echo_texts(self, body: CompletionRequest, prompts: list[list[int]]) -> list[str]:
+        """Each prompt's text for echo: as sent, or its token ids decoded (off the event loop)."""
+        if isinstance(body.prompt, str):
+            return [body.prompt]
+        if isinstance(body.prompt[0], str):
+            return list(body.prompt)
+        decode = self.engine.tokenizer.decode
+        return await asyncio.to_thread(lambda: [decode(p, skip_special_tokens=body.skip_special_tokens)
+                                                for p in prompts])
+
+    async def _completion_prompts(self, prompt: str | list) -> list[list[int]]:
+        if isinstance(prompt, str):
+            return [await self.engine.encode(prompt)]
+        if not prompt:
+            raise RequestError("prompt is empty")
+        if isinstance(prompt[0], int):
+            prompts = [prompt]
+        elif isinstance(prompt[0], str):
+            return [await self.engine.encode(p) for p in prompt]
+        else:
+            prompts = prompt
+        for p in prompts:
+            self.engine.limits.check_token_ids(p)
+        return [list(p) for p in prompts]
+
+    def _echoed_bytes(self, body: CompletionRequest, ids: list[int]) -> list[bytes]:
+        """Each prompt token's bytes in its echoed text: a text prompt is echoed as sent (without the BOS or EOS the
+        tokenizer added), a prompt of ids decoded (without its special tokens, unless skip_special_tokens is false)."""
+        tok = self.engine.tokenizer
+        data = [self.token_bytes(t) for t in ids]
+        if isinstance(body.prompt, str) or isinstance(body.prompt[0], str):
+            if tok.add_bos and tok.bos_token_id is not None:
+                data[0] = b""
+            if tok.meta.add_eos and tok.eos_token_ids:
+                data[-1] = b""
+            return data
+        return [b"" if body.skip_special_tokens and tok.is_special(t) else b for t, b in zip(ids, data)]
+
+    def _rows(self, lps: list[TokenLogprob]) -> list[_Row]:
+        return [(t.token_id, finite(t.logprob), t.top, self.token_bytes(t.token_id)) for t in lps]
+
+    def _completion_logprobs(self, rows: list[_Row], offsets: _TextOffsets, i: int) -> dict:
+        """OpenAI's completions logprobs of choice i: tokens, logprobs, the k best (and the token) by text, and where
+        each token's text starts in the choice's text."""
+        tokens, values, tops, text_offset = [], [], [], []
+        for token_id, value, top, data in rows:
+            t = self.token_text(token_id)
+            tokens.append(t)
+            text_offset.append(offsets.advance(i, data))
+            if value is None:  # the prompt's first token: nothing before it to predict it (OpenAI, vLLM)
+                values.append(None)
+                tops.append(None)
+                continue
+            values.append(finite(value))
+            best = {self.token_text(tid): finite(v) for tid, v in top or []}
+            best[t] = values[-1]  # and the token, where it is not among the k (vLLM; up to k + 1 entries)
+            tops.append(best)
+        return {"tokens": tokens, "token_logprobs": values, "top_logprobs": tops, "text_offset": text_offset}
+
+
+class _TextOffsets:
+    """Per choice, where the next token's text starts in the choice's text, in characters: a token carrying part of
+    a UTF-8 character adds none until the character is whole."""
+
+    def __init__(self, n: int) -> None:
+        self.chars = [0] * n
+        self._utf8 = [codecs.getincrementaldecoder("utf-8")("replace") for _ in range(n)]
+
+    def advance(self, i: int, data: bytes) -> int:
+        """Choice i's offset before a token of these bytes; then move past it."""
+        at = self.chars[i]
+        self.chars[i] += len(self._utf8[i].decode(data))
+        return at
+
+
+def _num_prompts(prompt: str | list) -> int:
+    """A string or one list of token ids is one prompt; a list of strings or of id lists is several."""
+    return len(prompt) if isinstance(prompt, list) and prompt and not isinstance(prompt[0], int) else 1
