@@ -45,7 +45,8 @@ def test_outputs_zero_mirrors_the_request_with_logprobs(smollm):
         assert len(out.outputs) == n and fields(out) == fields(out.outputs[0])
         for c in out.outputs:
             assert len(c.logprobs) == len(c.token_ids) == 3
-            assert c.cumulative_logprob == pytest.approx(sum(t.logprob for t in c.logprobs)) != 0
+            total = sum(d[t].logprob for d, t in zip(c.logprobs, c.token_ids))  # vLLM's dicts: id -> Logprob
+            assert c.cumulative_logprob == pytest.approx(total) != 0
 
 
 def test_greedy_n_gives_n_identical_greedy_outputs(smollm):

@@ -54,19 +54,20 @@ from tokenhaul.sampling_params import SamplingParams  # noqa: E402 - after the O
 
 if TYPE_CHECKING:
     from tokenhaul.llm import LLM
-    from tokenhaul.outputs import RequestOutput
+    from tokenhaul.outputs import CompletionOutput, Logprob, RequestOutput
 
-__all__ = ["LLM", "RequestOutput", "SamplingParams"]
+__all__ = ["LLM", "CompletionOutput", "Logprob", "RequestOutput", "SamplingParams"]
 
 
 def __getattr__(name: str) -> object:
-    """LLM and RequestOutput load torch: import them on first use, so torch-free modules stay so."""
+    """LLM loads torch: import it on first use, so torch-free modules stay so; the outputs (RequestOutput,
+    CompletionOutput, and Logprob as vLLM's `from vllm.logprobs import Logprob`) come the same way."""
     if name == "LLM":
         from tokenhaul.llm import LLM
 
         return LLM
-    if name == "RequestOutput":
-        from tokenhaul.outputs import RequestOutput
+    if name in ("RequestOutput", "CompletionOutput", "Logprob"):
+        from tokenhaul import outputs
 
-        return RequestOutput
+        return getattr(outputs, name)
     raise AttributeError(f"module 'tokenhaul' has no attribute {name!r}")

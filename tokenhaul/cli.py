@@ -139,9 +139,9 @@ def cmd_generate(args: argparse.Namespace, chat: bool = False) -> None:
         out = llm.chat([{"role": "user", "content": args.prompt}], params)[0]
     else:
         out = llm.generate(args.prompt, params)[0]
-    logprobs = _logprob_rows(llm, out.logprobs) if params.logprobs is not None else None
-    prompt_logprobs = (None if out.prompt_logprobs is None else
-                       [None] + _logprob_rows(llm, out.prompt_logprobs[1:]))
+    logprobs = _logprob_rows(out.logprobs, out.token_ids, params.logprobs) if params.logprobs is not None else None
+    prompt_logprobs = (None if out.prompt_logprobs is None else [None] + _logprob_rows(
+        out.prompt_logprobs[1:], out.prompt_token_ids[1:], params.prompt_logprobs))
     if args.json:
         print(json.dumps({"text": out.text, "token_ids": out.token_ids, "logprobs": logprobs,
                           "prompt_token_ids": out.prompt_token_ids, "prompt_logprobs": prompt_logprobs,
@@ -169,10 +169,16 @@ def cmd_generate(args: argparse.Namespace, chat: bool = False) -> None:
               f"finish={out.finish_reason}", file=sys.stderr)
 
 
-def _logprob_rows(llm, logprobs: list) -> list[dict]:
-    """TokenLogprobs as --json and the stderr lines show them: the token's text, id, logprob and top pairs."""
-    return [{"token": llm.tokenizer.decode([lp.token_id], skip_special_tokens=False), "token_id": lp.token_id,
-             "logprob": lp.logprob, "top": [[tid, v] for tid, v in lp.top or []]} for lp in logprobs or []]
+def _logprob_rows(logprobs: list[dict] | None, token_ids: list[int], k: int) -> list[dict]:
+    """The offline API's logprobs (vLLM's dicts, token id -> Logprob) as --json and the stderr lines show them: per
+    token its text, id, logprob, rank among the vocabulary, and the k most likely as [id, logprob] pairs best
+    first."""
+    rows = []
+    for d, t in zip(logprobs or [], token_ids):
+        top = sorted((v.rank, tid, v.logprob) for tid, v in d.items() if v.rank is not None and v.rank <= k)
+        rows.append({"token": d[t].decoded_token, "token_id": t, "logprob": d[t].logprob, "rank": d[t].rank,
+                     "top": [[tid, v] for _, tid, v in top]})
+    return rows
 
 
 def cmd_models(args: argparse.Namespace) -> None:

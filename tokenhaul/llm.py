@@ -22,7 +22,7 @@ from tokenhaul.ledger.costs import ModelCosts
 from tokenhaul.ledger.ledger import Ledger
 from tokenhaul.models.catalog import DEFAULT_MODEL, resolve
 from tokenhaul.models.registry import Model, load_model
-from tokenhaul.outputs import BeamOutput, CompletionOutput, RequestOutput, TokenLogprob
+from tokenhaul.outputs import BeamOutput, CompletionOutput, LogprobDict, RequestOutput, vllm_logprobs
 from tokenhaul.sampling_params import SamplingParams
 from tokenhaul.text.output_processor import OutputProcessor
 from tokenhaul.text.tokenizer import Tokenizer
@@ -163,7 +163,8 @@ class LLM:
             raise
         finally:
             self.core.observer = None
-        outs = [_fold(rid, [frontend.release(s) for s in sample_ids], p)
+        text = _TokenText(self.tokenizer)
+        outs = [_fold(rid, [frontend.release(s) for s in sample_ids], p, text)
                 for (rid, sample_ids), p in zip(groups, plist)]
         for o, prompt in zip(outs, prompts):
             o.ledger = ledger
@@ -200,14 +201,20 @@ def _fan_out(p: SamplingParams) -> list[SamplingParams]:
             for i in range(p.n)]
 
 
-def _fold(request_id: str, samples: list[RequestOutput], p: SamplingParams) -> RequestOutput:
+def _fold(request_id: str, samples: list[RequestOutput], p: SamplingParams, text: _TokenText) -> RequestOutput:
     """One prompt's output: its first sample's (its text, token_ids, ... are outputs[0]'s) under the prompt's
-    request id, with every sample, or every returned beam, in outputs."""
+    request id, with every sample, or every returned beam, in outputs. Logprobs and prompt logprobs leave the front
+    end's TokenLogprobs for vLLM's dicts (outputs.vllm_logprobs)."""
     out = samples[0]
+    if out.prompt_logprobs is not None:
+        out.prompt_logprobs = vllm_logprobs(out.prompt_logprobs, text)
     if out.beams is not None:
         out.outputs = [_beam_output(k, b, p) for k, b in enumerate(out.beams)]
     else:
-        out.outputs = [CompletionOutput(k, s.text, s.token_ids, _sum_logprobs(s.logprobs), s.logprobs,
+        for s in samples:
+            if s.logprobs is not None:
+                s.logprobs = vllm_logprobs(s.logprobs, text)
+        out.outputs = [CompletionOutput(k, s.text, s.token_ids, _sum_logprobs(s.logprobs, s.token_ids), s.logprobs,
                                         s.finish_reason, s.stop_reason) for k, s in enumerate(samples)]
     out.request_id = request_id
     return out
@@ -219,5 +226,20 @@ def _beam_output(index: int, beam: BeamOutput, p: SamplingParams) -> CompletionO
     return CompletionOutput(index, beam.text, list(beam.token_ids), total, None, beam.finish_reason, beam.stop_reason)
 
 
-def _sum_logprobs(logprobs: list[TokenLogprob] | None) -> float | None:
-    return None if logprobs is None else sum(t.logprob for t in logprobs)
+def _sum_logprobs(logprobs: list[LogprobDict] | None, token_ids: list[int]) -> float | None:
+    return None if logprobs is None else sum(d[t].logprob for d, t in zip(logprobs, token_ids))
+
+
+class _TokenText:
+    """A token id's decoded_token (vLLM's: the tokenizer's decode of that one id, special tokens shown), each id
+    decoded once per generate call."""
+
+    def __init__(self, tokenizer: Tokenizer) -> None:
+        self.tokenizer = tokenizer
+        self.texts: dict[int, str] = {}
+
+    def __call__(self, token_id: int) -> str:
+        s = self.texts.get(token_id)
+        if s is None:
+            s = self.texts[token_id] = self.tokenizer.decode([token_id], skip_special_tokens=False)
+        return s

@@ -194,3 +194,16 @@ def test_logit_bias_before_penalties():
     """vLLM v1's order: bias, then the repetition penalty divides the biased logit (0.5 + 1) / 2, not 0.5 / 2 + 1."""
     out = penalize(LOGITS.clone(), req(out=(3,), repetition_penalty=2.0, logit_bias={3: 1.0, 0: -1.0}))
     assert out[3] == pytest.approx(0.75) and out[0] == pytest.approx(0.0) and out[2] == 2.0
+
+
+def test_sampled_token_rank_among_the_vocabulary():
+    """Each sampled token's rank (vLLM's: the tokens at least as likely, itself included), with its logprob; the
+    CPU's numpy count and torch's compare-and-sum (other devices) agree."""
+    from tokenhaul.decoding.sampler import token_ranks
+
+    logits = torch.tensor([[1.0, 3.0, 2.0, 0.5, 2.9], [0.0, 0.0, 1.0, 0.0, -1.0]])
+    s = sample(logits.clone(), [req(temperature=0, logprobs=2), req(temperature=0, logit_bias={4: 10.0}, logprobs=0)])
+    assert (s[0].token, s[0].rank) == (1, 1) and (s[1].token, s[1].rank) == (4, 5)  # raw logprobs: 4 is the last
+    assert sample(logits[:1].clone(), [req(temperature=0)])[0].rank is None  # no logprobs asked: none paid
+    lp = torch.log_softmax(logits, -1)
+    assert token_ranks(lp, [3, 1]) == [5, 4] == token_ranks(lp.t().contiguous().t(), [3, 1])  # ties count in

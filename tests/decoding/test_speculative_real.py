@@ -56,7 +56,7 @@ def test_stop_string_ends_token_ids_as_plain(smollm, plain):
     ref, spec = outs
     assert ref.finish_reason == spec.finish_reason == "stop" and spec.stop_reason == stop
     assert spec.text == ref.text and spec.token_ids == ref.token_ids
-    assert [lp.token_id for lp in spec.logprobs] == spec.token_ids
+    assert [list(d) for d in spec.outputs[0].logprobs] == [[t] for t in spec.token_ids]  # logprobs=0: the token
     assert spec.ledger.summary()["accepted_tokens"] > 0
 
 

@@ -37,7 +37,7 @@ def test_greedy_first_batched_levels_distinct_paths(smollm):
 
 def test_reward_steers_off_the_greedy_path(smollm):
     greedy = smollm.generate(PROMPT, SamplingParams(max_tokens=6, temperature=0, logprobs=4))[0]
-    third = greedy.logprobs[0].top[2][0]  # the root's third most likely token
+    third, = (t for t, v in greedy.outputs[0].logprobs[0].items() if v.rank == 3)  # the root's third most likely
 
     def reward(r):
         return 1.0 if r.token_ids[:1] == [third] else 0.0

@@ -98,10 +98,12 @@ def test_stop_string_never_leaks(smollm):
 
 
 def test_logprobs_real(smollm):
+    """vLLM's shape: per token a dict token id -> Logprob; greedy's token heads it (rank 1) among the top 3."""
     out = smollm.generate("The sky is", SamplingParams(max_tokens=4, temperature=0, logprobs=3))[0]
-    assert len(out.logprobs) == len(out.token_ids)
-    for lp, tok in zip(out.logprobs, out.token_ids):
-        assert lp.token_id == tok and lp.top[0][0] == tok and lp.logprob <= 0
+    assert len(out.outputs[0].logprobs) == len(out.token_ids)
+    for d, tok in zip(out.outputs[0].logprobs, out.token_ids):
+        assert len(d) == 3 and d[tok].rank == 1 and d[tok].logprob <= 0
+        assert sorted(v.rank for v in d.values()) == [1, 2, 3]
 
 
 def test_bf16_default_agrees_with_fp32(smollm):
@@ -151,9 +153,10 @@ def test_logit_bias_real(smollm):
     p = SamplingParams(max_tokens=4, temperature=0, ignore_eos=True, logprobs=1, logit_bias={tid: 100})
     out = smollm.generate("The capital of France is", p)[0]
     assert out.token_ids == [tid] * 4 and out.text == smollm.tokenizer.decode([tid] * 4)
-    (top_id, top_lp), = out.logprobs[0].top  # the raw top-1: the unbiased greedy token
-    assert top_id == ref.token_ids[0] and top_lp == pytest.approx(ref.logprobs[0].logprob, abs=1e-4)
-    assert out.logprobs[0].logprob < top_lp
+    first, ref_first = out.outputs[0].logprobs[0], ref.outputs[0].logprobs[0]
+    top_id, = (t for t, v in first.items() if v.rank == 1)  # the raw top-1: the unbiased greedy token
+    assert top_id == ref.token_ids[0] and first[top_id].logprob == pytest.approx(ref_first[top_id].logprob, abs=1e-4)
+    assert first[tid].logprob < first[top_id].logprob and first[tid].rank > 1
     banned = SamplingParams(max_tokens=4, temperature=0, ignore_eos=True, logit_bias={ref.token_ids[0]: -100})
     assert smollm.generate("The capital of France is", banned)[0].token_ids[0] != ref.token_ids[0]
     with pytest.raises(RequestError, match="logit_bias contains token id"):

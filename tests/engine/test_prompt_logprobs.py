@@ -206,11 +206,14 @@ def test_real_model_prompt_logprobs_are_the_generated_tokens_logprobs(smollm):
     forced = smollm.generate(prompt + gen.token_ids, SamplingParams(max_tokens=1, temperature=0, prompt_logprobs=2))[0]
     got = forced.prompt_logprobs
     assert len(got) == len(prompt) + 6 and got[0] is None
-    assert [s.token_id for s in got[1:]] == (prompt + gen.token_ids)[1:]
-    for s, g in zip(got[len(prompt):], gen.logprobs):
-        assert s.token_id == g.token_id and abs(s.logprob - g.logprob) < 2e-5
-        assert s.top[0][0] == g.token_id and len(s.top) == 2 and s.rank == 1
-    assert all(s.logprob <= 0 and s.top[0][1] >= s.logprob for s in got[1:])
+    ids = prompt + gen.token_ids
+    assert all(t in d for d, t in zip(got[1:], ids[1:]))  # vLLM's dicts: token id -> Logprob
+    for d, g, t in zip(got[len(prompt):], gen.outputs[0].logprobs, gen.token_ids):
+        assert abs(d[t].logprob - g[t].logprob) < 2e-5
+        assert len(d) == 2 and d[t].rank == g[t].rank == 1  # greedy took the argmax: it heads the top 2
+    for d, t in zip(got[1:], ids[1:]):
+        best, = (v for v in d.values() if v.rank == 1)
+        assert d[t].logprob <= 0 and best.logprob >= d[t].logprob
 
 
 class ChunkLog:

@@ -28,10 +28,16 @@ def oai(real_server):
 
 @pytest.fixture(scope="module")
 def offline(smollm):
-    """(prompt ids, prompt logprobs) of PROMPT from LLM.generate with prompt_logprobs=K."""
+    """(prompt ids, prompt logprobs) of PROMPT from LLM.generate with prompt_logprobs=K (vLLM's offline shape: per
+    token after the first a dict token id -> Logprob)."""
     out = smollm.generate(PROMPT, SamplingParams(max_tokens=1, temperature=0, prompt_logprobs=K))[0]
     assert len(out.prompt_logprobs) == len(out.prompt_token_ids) > 5
     return out.prompt_token_ids, out.prompt_logprobs
+
+
+def best(want: dict, k: int) -> list[int]:
+    """The k most likely token ids of an offline prompt_logprobs dict (its top entries rank 1..K), best first."""
+    return [t for _, t in sorted((v.rank, t) for t, v in want.items() if v.rank <= k)]
 
 
 def check_prompt_logprobs(got: list, offline, tokenizer, k: int = K) -> None:
@@ -42,15 +48,15 @@ def check_prompt_logprobs(got: list, offline, tokenizer, k: int = K) -> None:
     for tid, entries, want in zip(ids[1:], got[1:], ref[1:]):
         keys = list(entries)
         assert keys[0] == str(tid)
-        top = [str(t) for t, _ in want.top[:k]]
+        top = [str(t) for t in best(want, k)]
         assert keys[1:] == [t for t in top if t != str(tid)]
         own = entries[str(tid)]
-        assert math.isclose(own["logprob"], want.logprob, abs_tol=TOL)
-        assert own["decoded_token"] == tokenizer.decode([tid], skip_special_tokens=False)
-        assert own["rank"] == (top.index(str(tid)) + 1 if str(tid) in top else want.rank) and own["rank"] >= 1
-        for rank, (t, v) in enumerate(want.top[:k], 1):
+        assert math.isclose(own["logprob"], want[tid].logprob, abs_tol=TOL)
+        assert own["decoded_token"] == want[tid].decoded_token == tokenizer.decode([tid], skip_special_tokens=False)
+        assert own["rank"] == (top.index(str(tid)) + 1 if str(tid) in top else want[tid].rank) and own["rank"] >= 1
+        for rank, t in enumerate(best(want, k), 1):
             e = entries[str(t)]
-            assert e["rank"] == rank and math.isclose(e["logprob"], v, abs_tol=TOL)
+            assert e["rank"] == rank and math.isclose(e["logprob"], want[t].logprob, abs_tol=TOL)
 
 
 def test_completions_prompt_logprobs_equal_offline(real_server, client, offline):
@@ -112,9 +118,9 @@ def test_echo_with_logprobs_covers_prompt_and_completion(real_server, client, of
     assert lp["text_offset"][0] == 0 and lp["text_offset"][n_prompt] == len(PROMPT)
     assert [choice["text"][a:b] for a, b in zip(lp["text_offset"], lp["text_offset"][1:])] == lp["tokens"][:-1]
     for i in range(1, n_prompt):  # the prompt's: its logprob, the 2 best and the token itself
-        assert math.isclose(lp["token_logprobs"][i], ref[i].logprob, abs_tol=TOL)
+        assert math.isclose(lp["token_logprobs"][i], ref[i][ids[i]].logprob, abs_tol=TOL)
         tok = lp["tokens"][i]
-        want = {engine.tokenizer.decode([t], skip_special_tokens=False) for t, _ in ref[i].top[:2]} | {tok}
+        want = {engine.tokenizer.decode([t], skip_special_tokens=False) for t in best(ref[i], 2)} | {tok}
         assert set(lp["top_logprobs"][i]) == want
     plain = client.post(url + "/v1/completions", json={"prompt": PROMPT, "max_tokens": 4, "temperature": 0,
                                                         "logprobs": 2}).json()["choices"][0]
@@ -266,7 +272,8 @@ def test_openai_client_parses_prompt_scoring(oai, offline):
     lp = choice.logprobs
     assert len(lp.tokens) == len(lp.token_logprobs) == len(offline[0]) and "".join(lp.tokens) == PROMPT
     assert lp.token_logprobs[0] is None and all(v < 0 for v in lp.token_logprobs[1:])
-    assert lp.token_logprobs[1:] == pytest.approx([p.logprob for p in offline[1][1:]], abs=TOL)
+    ids, ref = offline
+    assert lp.token_logprobs[1:] == pytest.approx([d[t].logprob for d, t in zip(ref[1:], ids[1:])], abs=TOL)
     with pytest.raises(openai.BadRequestError) as e:
         oai.completions.create(model=MODEL, prompt=PROMPT, max_tokens=0)
     assert e.value.body["param"] == "max_tokens"

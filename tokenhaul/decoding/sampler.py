@@ -188,7 +188,8 @@ def token_ranks(lp: torch.Tensor, tokens: list[int]) -> list[int]:
     """Each row's token's rank in lp [R, V] (vLLM's: 1-based, the tokens at least as likely, itself included). Only
     rows that asked for logprobs pay it, one pass over the row after log_softmax's three. Measured on this CPU,
     2 threads, one row: numpy's count 7 µs at a 49,152 vocabulary (log_softmax 28), 17 µs at 151,936 (86);
-    torch's compare-and-sum took 34 and 71, so the CPU counts with numpy."""
+    torch's compare-and-sum took 34 and 71, so the CPU counts with numpy. In SmolLM2's decode with logprobs=5 (cores
+    shared, load 6): 52 µs a token of ~13 ms, 76.2 against 76.7 tok/s without it, best of 6 (within the noise)."""
     if lp.device.type == "cpu" and lp.dtype == torch.float32 and lp.is_contiguous():
         a = lp.numpy()
         return [int(np.count_nonzero(a[j] >= a[j, t])) for j, t in enumerate(tokens)]

@@ -155,10 +155,11 @@ class TreeSearch:
         rollouts = []
         for node, out, kv in zip(leaves, outs, held):
             node.kv = kv
-            lps = out.logprobs or []
-            r = self._score(node.token_ids + out.token_ids, node.logprobs + [lp.logprob for lp in lps],
+            lps = zip(out.outputs[0].logprobs or [], out.token_ids)
+            tail = [(t, d[t].logprob, _top(d, self.top_k)) for d, t in lps]
+            r = self._score(node.token_ids + out.token_ids, node.logprobs + [lp for _, lp, _ in tail],
                             out.finish_reason, level)
-            node.tail = [(lp.token_id, lp.logprob, lp.top or []) for lp in lps]
+            node.tail = tail
             node.tail_reward = r.reward
             self._backup(node, r.reward)
             rollouts.append(r)
@@ -192,6 +193,12 @@ class TreeSearch:
             node.visits += 1
             node.value += reward
             node = node.parent
+
+
+def _top(d: dict, k: int) -> list[tuple[int, float]]:
+    """The k most likely (token id, logprob) of a position's logprobs (vLLM's dict: ranks 1..k), best first."""
+    return [(tid, lp) for _, tid, lp in sorted((v.rank, tid, v.logprob) for tid, v in d.items()
+                                               if v.rank is not None and v.rank <= k)]
 
 
 def tree_search(llm: LLM, prompt: str | list[int], reward: Reward = mean_logprob, levels: int = 4,

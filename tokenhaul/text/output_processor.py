@@ -72,7 +72,7 @@ class OutputProcessor:
             t2 = time.perf_counter()
             out.token_ids += new
             if out.logprobs is not None:
-                out.logprobs += [TokenLogprob(s.token, s.logprob, s.top_logprobs) for s in d.samples[:len(new)]]
+                out.logprobs += [TokenLogprob(s.token, s.logprob, s.top_logprobs, s.rank) for s in d.samples[:len(new)]]
             out.text += text
             out.delta_text = text
             if self.ledger is not None:  # detokenize: push/flush; deliver: the rest of this body
