@@ -12,7 +12,8 @@ import pytest
 from tokenhaul.errors import RequestError, TokenhaulError
 from tokenhaul.server.chat_protocol import ChatMessage
 from tokenhaul.server.guards import ServerOptions
-from tokenhaul.server.tools import AUTO_REFUSED, ToolStream, ToolUse, parse_hermes, read_tool_use
+from tokenhaul.server.tool_stream import ToolStream
+from tokenhaul.server.tools import AUTO_REFUSED, ToolUse, parse_hermes, read_tool_use
 
 WEATHER = {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}
 TOOLS = [{"type": "function", "function": {"name": "weather", "description": "the weather", "parameters": WEATHER}},
@@ -120,10 +121,14 @@ def _streamed(use: ToolUse | None, pieces: list[str], reason: str) -> tuple[dict
 @pytest.mark.parametrize("choice, text, reason", [
     ("auto", 'Checking <tool_call>{"name": "now", "arguments": {}}</tool_call><tool_call>{"name": "weather", '
              '"arguments": {"city": "Oslo"}}</tool_call>', "stop"),
+    ("auto", 'Hi\n<tool_call>\n{"name":"weather","arguments":{ "city" :"Os\\u00e9lo\\n" , "n": 1.50, "l": [1,'
+             ' 2e1, null, {"k": true}] }}\n</tool_call>', "stop"),  # written as json.dumps writes the arguments
+    ("auto", '<tool_call>{"arguments": {"city": "Oslo"}, "name": "weather"}</tool_call>', "stop"),  # name last
     ("auto", 'Not <tool_call>{"name": "now"', "length"),  # a block that is not JSON: all text
     ("required", '[{"name": "now", "parameters": {}}]', "stop"),
     ("required", '[{"name": "weather", "parameters": {"city": "O\\"s}]lo"}}, {"name": "now", "parameters": {}}]',
      "stop"),
+    ("required", '[ {"parameters": {"city":"<tool_call>"},"name": "weather"} ]', "stop"),
     ("required", '[{"name": "no', "length"),  # cut short: text
     ("named", '{"city": "Oslo"}', "stop"),
     ("none", "Just text <b>", "stop"),
@@ -131,31 +136,42 @@ def _streamed(use: ToolUse | None, pieces: list[str], reason: str) -> tuple[dict
 def test_streamed_deltas_add_up_to_the_message(choice, text, reason):
     use = ToolUse(read_tool_use(TOOLS, "none", None).tools, choice, "weather" if choice == "named" else None)
     msg, want = use.message(text, reason)
+    calls = [(c["function"]["name"], c["function"]["arguments"]) for c in msg.get("tool_calls", [])]
+    if text.startswith("Not <tool_call>"):  # a call is streamed once its name is known, as vLLM: no taking it back
+        calls = [("now", "")]
     for size in (1, 3, 1000):
         got, last = _streamed(use, [text[k:k + size] for k in range(0, len(text), size)], reason)
         assert last == want
         assert got["content"] == (msg["content"] or "")
-        assert got["calls"] == [(c["function"]["name"], c["function"]["arguments"]) for c in msg.get("tool_calls", [])]
+        assert got["calls"] == calls
 
 
-def test_required_stream_sends_each_call_when_its_element_closes():
+def test_required_stream_sends_the_arguments_as_they_come():
     stream = ToolStream(read_tool_use(TOOLS, "required", None))
-    assert stream.delta('[{"name": "now", "parameters": {"a": "}"', False, None)[0] == {}
-    first = stream.delta('}}, {"name": "now"', False, None)[0]["tool_calls"]
-    assert [(c["index"], c["function"]) for c in first] == [(0, {"name": "now", "arguments": '{"a": "}"}'})]
+    assert stream.delta('[{"name": "no', False, None)[0] == {}
+    (head,) = stream.delta('w"', False, None)[0]["tool_calls"]  # the name is known: the call's first delta
+    assert head["id"].startswith("chatcmpl-tool-") and (head["index"], head["type"], head["function"]) == (
+        0, "function", {"name": "now", "arguments": ""})
+    assert stream.delta(', "parameters": {"a": "}', False, None)[0] == {
+        "tool_calls": [{"index": 0, "function": {"arguments": '{"a": "}'}}]}
+    assert stream.delta('x', False, None)[0] == {"tool_calls": [{"index": 0, "function": {"arguments": "x"}}]}
+    first, second = stream.delta('"}}, {"name": "now"', False, None)[0]["tool_calls"]
+    assert first == {"index": 0, "function": {"arguments": '"}'}} and second["function"] == {
+        "name": "now", "arguments": ""} and second["index"] == 1
     last, reason = stream.delta(', "parameters": {}}]', True, "stop")
-    assert reason == "tool_calls" and [(c["index"], c["function"]["arguments"]) for c in last["tool_calls"]] == [
-        (1, "{}")]
+    assert reason == "tool_calls" and last == {"tool_calls": [{"index": 1, "function": {"arguments": "{}"}}]}
 
 
-def test_auto_stream_sends_each_call_when_its_block_closes():
+def test_auto_stream_sends_each_call_as_it_comes():
     stream = ToolStream(ToolUse([], "auto"))
-    assert stream.delta('Hi<tool_call>{"name": "now", "arguments": {}}</tool', False, None)[0] == {"content": "Hi"}
-    first = stream.delta('_call>\n<tool_call>{"name": "now", ', False, None)[0]["tool_calls"]
-    assert [(c["index"], c["function"]["name"]) for c in first] == [(0, "now")]
-    last, reason = stream.delta('"arguments": {"a": 1}}</tool_call>', True, "stop")
-    assert reason == "tool_calls" and [(c["index"], c["function"]["arguments"]) for c in last["tool_calls"]] == [
-        (1, '{"a": 1}')]
+    delta = stream.delta('Hi<tool_call>{"name": "now", "arguments": {', False, None)[0]
+    assert delta["content"] == "Hi" and [(c["index"], c["function"]) for c in delta["tool_calls"]] == [
+        (0, {"name": "now", "arguments": "{"})]
+    assert stream.delta('}}</tool', False, None)[0] == {"tool_calls": [{"index": 0, "function": {"arguments": "}"}}]}
+    last, reason = stream.delta('_call>\n<tool_call>{"name": "now", "arguments": {"a": 1}}</tool_call>', True,
+                                "stop")
+    assert reason == "tool_calls" and [(c["index"], c["function"]) for c in last["tool_calls"]] == [
+        (1, {"name": "now", "arguments": '{"a": 1}'})]
 
 
 def test_auto_stream_holds_a_possible_tool_call_start():

@@ -43,19 +43,29 @@ def oai(real_server) -> Iterator[openai.OpenAI]:
         yield c
 
 
-def _streamed(chunks: list) -> tuple[str, list[tuple[str | None, str | None, str]], str | None]:
-    """(content, [(id, name, arguments)], finish_reason) as a client accumulates a stream's deltas."""
+def _streamed(chunks: list, choice: int = 0) -> tuple[str, list[tuple[str | None, str | None, str]], str | None]:
+    """(content, [(id, name, arguments)], finish_reason) of one choice as a client accumulates a stream's deltas."""
     content, calls, reason = "", {}, None
     for c in chunks:
-        if not c.choices:
-            continue
-        d = c.choices[0].delta
-        content += d.content or ""
-        for t in d.tool_calls or []:
-            slot = calls.setdefault(t.index, [t.id, t.function.name, ""])
-            slot[2] += t.function.arguments or ""
-        reason = c.choices[0].finish_reason or reason
+        for ch in c.choices:
+            if ch.index != choice:
+                continue
+            content += ch.delta.content or ""
+            for t in ch.delta.tool_calls or []:
+                slot = calls.setdefault(t.index, [t.id, t.function.name, ""])
+                slot[2] += t.function.arguments or ""
+            reason = ch.finish_reason or reason
     return content, [tuple(v) for v in calls.values()], reason
+
+
+def _argument_pieces(chunks: list) -> dict[tuple[int, int], int]:
+    """(choice index, call index) -> how many deltas carried a piece of the call's arguments."""
+    pieces: dict[tuple[int, int], int] = {}
+    for c in chunks:
+        for ch in c.choices:
+            for t in ch.delta.tool_calls or []:
+                pieces[ch.index, t.index] = pieces.get((ch.index, t.index), 0) + bool(t.function.arguments)
+    return pieces
 
 
 def _calls(message) -> list[tuple[str, str, str]]:
@@ -90,6 +100,22 @@ def test_required_calls_name_given_tools_streamed_the_same(oai):
     assert [(n, a) for _, n, a in streamed] == [(n, a) for _, n, a in calls]
 
 
+def test_required_streams_each_calls_arguments_piecewise_for_every_choice(oai):
+    """As vLLM: a call's first delta has its index, id, type and name, later ones pieces of its arguments, which add
+    up to the non-streamed arguments; with n = 2 each choice's call is its call 0."""
+    kw = dict(model=MODEL, messages=ASK, max_tokens=200, temperature=0, tools=TOOLS[:1], tool_choice="required")
+    calls = _calls(oai.chat.completions.create(**kw).choices[0].message)  # SmolLM2 writes them spaced over lines
+    assert calls and all(args != "{}" for _, _, args in calls)
+    chunks = list(oai.chat.completions.create(**kw, n=2, stream=True))
+    for choice in (0, 1):
+        content, streamed, reason = _streamed(chunks, choice)
+        assert (content, reason) == ("", "tool_calls") and [(n, a) for _, n, a in streamed] == [
+            (n, a) for _, n, a in calls]
+        assert all(call_id.startswith("chatcmpl-tool-") for call_id, _, _ in streamed)
+    pieces = _argument_pieces(chunks)
+    assert set(pieces) == {(i, k) for i in (0, 1) for k in range(len(calls))} and min(pieces.values()) > 1, pieces
+
+
 def test_none_answers_text(oai):
     kw = dict(model=MODEL, messages=ASK, max_tokens=8, temperature=0)
     plain = oai.chat.completions.create(**kw)
@@ -119,6 +145,34 @@ def test_refusals(oai, extra, param):
     if param is None:
         assert body["message"] == '"auto" tool choice requires --enable-auto-tool-choice and --tool-call-parser ' \
                                   'to be set'
+
+
+# SmolLM2 served with the hermes parser; a regex has it write a <tool_call> block, spacing its arguments as it likes
+HERMES = (r'Let me check\.\n<tool_call>\n\{"name": "get_weather", "arguments": ?\{ ?"city" ?: ?"[A-Z][a-z]{2,11}" ?'
+          r'\}\}\n</tool_call>')
+
+
+@pytest.fixture(scope="module")
+def hermes_oai(smollm) -> Iterator[openai.OpenAI]:
+    cfg = EngineConfig(model=MODEL, dtype="fp32", num_kv_blocks=128, max_num_seqs=8)
+    engine = AsyncEngine(EngineCore(cfg, smollm.model), smollm.tokenizer, MODEL)
+    options = ServerOptions(enable_auto_tool_choice=True, tool_call_parser="hermes")
+    with ServerThread(build_app(engine, options)) as srv, \
+            openai.OpenAI(base_url=srv.url + "/v1", api_key="unused", max_retries=0, timeout=120) as c:
+        yield c
+
+
+def test_auto_streams_a_hermes_calls_arguments_piecewise(hermes_oai):
+    kw = dict(model=MODEL, messages=ASK, max_tokens=60, temperature=0, tools=TOOLS,
+              extra_body={"structured_outputs": {"regex": HERMES}})
+    message = hermes_oai.chat.completions.create(**kw).choices[0].message
+    (_, name, args), = _calls(message)
+    assert name == "get_weather" and message.content == "Let me check.\n" and json.loads(args)["city"]
+    chunks = list(hermes_oai.chat.completions.create(**kw, stream=True))
+    content, streamed, reason = _streamed(chunks)
+    assert (content, reason) == ("Let me check.\n", "tool_calls") and [(n, a) for _, n, a in streamed] == [
+        (name, args)]  # the pieces add up to the non-streamed arguments: no tag, no name, no JSON around them
+    assert _argument_pieces(chunks)[0, 0] > 1
 
 
 # Qwen2.5's template renders tools; a scripted model answers what each test sets -------------------------------

@@ -16,7 +16,8 @@ from tokenhaul.server.async_engine import AsyncEngine, GenerationDelta
 from tokenhaul.server.chat_protocol import ChatCompletionRequest
 from tokenhaul.server.errors import check_model, refused
 from tokenhaul.server.serving import REPLICA_HEADER, OpenAIServing, continuous_usage, finite
-from tokenhaul.server.tools import ToolStream, read_tool_use, with_tools
+from tokenhaul.server.tool_stream import ToolStream
+from tokenhaul.server.tools import read_tool_use, with_tools
 
 
 class ChatHandler(OpenAIServing):

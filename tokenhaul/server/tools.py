@@ -1,7 +1,8 @@
 """Tool calling on /v1/chat/completions, as vLLM serves it: a request's tools and tool_choice read and checked, the
 tools as the chat template gets them, the JSON schema a named or "required" choice constrains the output with, and
 the generated text turned back into an assistant message with tool_calls: the whole text for a named function (its
-arguments) or "required" (a JSON array of {name, parameters}), Hermes <tool_call> blocks for "auto"."""
+arguments) or "required" (a JSON array of {name, parameters}), Hermes <tool_call> blocks for "auto". A streamed
+choice's deltas: tool_stream.py."""
 
 from __future__ import annotations
 
@@ -15,7 +16,7 @@ from tokenhaul.errors import RequestError
 
 PARSERS = ("hermes",)  # --tool-call-parser names served
 AUTO_REFUSED = '"auto" tool choice requires --enable-auto-tool-choice and --tool-call-parser to be set'
-CALL_START, CALL_END = "<tool_call>", "</tool_call>"
+CALL_START = "<tool_call>"
 _HERMES = re.compile(r"<tool_call>(.*?)</tool_call>|<tool_call>(.*)", re.DOTALL)  # an unclosed last block counts
 
 
@@ -155,107 +156,3 @@ def parse_hermes(text: str) -> tuple[str | None, list[dict]]:
         calls.append(_call(obj["name"], json.dumps(obj.get("arguments", {}), ensure_ascii=False)))
     content = text[:text.find(CALL_START)]
     return content or None, calls
-
-
-class ToolStream:
-    """One streamed choice's deltas. Plain text (no tools, "none") streams as content. A named function streams its
-    arguments as they come, the first delta carrying the call's id and name (vLLM). "required" sends each call whole
-    once its element of the JSON array closes (vLLM also streams a call's arguments, from a partial JSON parser).
-    "auto" streams content until a <tool_call> may begin, then sends each call as its block closes, and at the end
-    what is left (or, if the whole text holds no call, the rest as text, as the non-streamed message)."""
-
-    def __init__(self, use: ToolUse | None) -> None:
-        self.use = use
-        self.text = ""
-        self.sent = 0  # characters of text sent as content
-        self.held = False  # "auto": a <tool_call> began; no more content until the end
-        self.blocks_read = 0  # "auto": characters of text read for closed blocks
-        self.call_id: str | None = None  # named: the call's id, once its first delta is sent
-        self.elements = _ArrayElements()  # "required": the array's elements as they close
-        self.num_calls = 0  # calls sent
-
-    def delta(self, text: str, finished: bool, finish_reason: str | None) -> tuple[dict, str | None]:
-        """The delta of new text, and at the end the choice's finish_reason (the whole message's)."""
-        self.text += text
-        if self.use is None or self.use.choice == "none":
-            return ({"content": text} if text else {}), finish_reason
-        if self.use.choice == "named":
-            return self._named(text), finish_reason
-        out = self._auto_content() if self.use.choice == "auto" else ""
-        calls = self._auto_calls() if self.use.choice == "auto" else \
-            [c for e in self.elements.closed(self.text) for c in required_calls(f"[{e}]") or []]
-        reason = None
-        if finished:
-            message, reason = self.use.message(self.text, finish_reason)
-            calls = (message.get("tool_calls") or [])[self.num_calls:]
-            if "tool_calls" not in message:  # no call parsed ("auto"), or "required" cut short: the rest is text
-                out += self.text[self.sent:]
-                self.sent = len(self.text)
-        indexed = [{"index": self.num_calls + k, **c} for k, c in enumerate(calls)]
-        self.num_calls += len(calls)
-        return ({"content": out} if out else {}) | ({"tool_calls": indexed} if indexed else {}), reason
-
-    def _named(self, text: str) -> dict:
-        if not text:
-            return {}
-        if self.call_id is None:
-            self.call_id = make_tool_call_id()
-            return {"tool_calls": [{"index": 0, **_call(self.use.name or "", text, self.call_id)}]}
-        return {"tool_calls": [{"index": 0, "function": {"arguments": text}}]}
-
-    def _auto_content(self) -> str:
-        """"auto": the new text that cannot be part of a tool call (none once a <tool_call> began)."""
-        if self.held:
-            return ""
-        start = self.text.find(CALL_START, self.sent)
-        self.held = start >= 0
-        end = start if self.held else len(self.text) - _partial_start(self.text)
-        out, self.sent = self.text[self.sent:end], end
-        return out
-
-
-    def _auto_calls(self) -> list[dict]:
-        """"auto": the calls of the blocks that closed since the last look."""
-        calls: list[dict] = []
-        while self.held:
-            start = self.text.find(CALL_START, self.blocks_read)
-            end = self.text.find(CALL_END, start) if start >= 0 else -1
-            if end < 0:
-                break
-            self.blocks_read = end + len(CALL_END)
-            calls += parse_hermes(self.text[start:self.blocks_read])[1]
-        return calls
-
-
-class _ArrayElements:
-    """The elements of a JSON array of objects as their text closes, read character by character."""
-
-    def __init__(self) -> None:
-        self.read = 0  # characters of the text read
-        self.depth = 0
-        self.start = 0  # where the current element began
-        self.in_string = self.escaped = False
-
-    def closed(self, text: str) -> list[str]:
-        """The elements that close in the text so far since the last call."""
-        out = []
-        for k in range(self.read, len(text)):
-            ch = text[k]
-            if self.in_string:
-                self.escaped, self.in_string = (False, True) if self.escaped else (ch == "\\", ch != '"')
-            elif ch == '"':
-                self.in_string = True
-            elif ch in "[{":
-                self.depth += 1
-                self.start = k if self.depth == 2 else self.start
-            elif ch in "]}":
-                self.depth -= 1
-                if self.depth == 1:
-                    out.append(text[self.start:k + 1])
-        self.read = len(text)
-        return out
-
-
-def _partial_start(text: str) -> int:
-    """How many characters at the end of text may begin a <tool_call> (held back until the next text)."""
-    return next((k for k in range(min(len(text), len(CALL_START) - 1), 0, -1) if CALL_START.startswith(text[-k:])), 0)
