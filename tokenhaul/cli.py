@@ -61,6 +61,8 @@ def engine_kwargs(args: argparse.Namespace) -> dict:
 def add_sampling_args(p: argparse.ArgumentParser) -> None:
     """One flag per SamplingParams field, same name and default, so the two never drift."""
     for f in dataclasses.fields(SamplingParams):
+        if not f.init:  # set by the front end (bad_words' token ids)
+            continue
         flag = "--" + f.name.replace("_", "-")
         default = f.default if f.default is not dataclasses.MISSING else f.default_factory()
         if f.name == "structured_outputs":  # StructuredOutputsParams' fields as one JSON object
@@ -73,7 +75,7 @@ def add_sampling_args(p: argparse.ArgumentParser) -> None:
             p.add_argument(flag, action="append", default=None, metavar="ID=VALUE",
                            help="token id = bias in [-100, 100] added to its logit (e.g. 42=-100 bans token 42); "
                                 "repeat the flag for several ids")
-        elif isinstance(default, list):
+        elif isinstance(default, list) or f.name == "allowed_token_ids":
             elem = int if f.name.endswith("_ids") else str
             p.add_argument(flag, type=elem, action="append", default=None,
                            help="repeat the flag for several values")
@@ -108,6 +110,8 @@ def _id_values(pairs: list[str]) -> dict[int, float]:
 def sampling_params(args: argparse.Namespace) -> SamplingParams:
     kw = {}
     for f in dataclasses.fields(SamplingParams):
+        if not f.init:
+            continue
         v = getattr(args, f.name)
         if v is not None and f.name == "logit_bias":
             v = _id_values(v)

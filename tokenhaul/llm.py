@@ -28,7 +28,7 @@ from tokenhaul.text.output_processor import OutputProcessor
 from tokenhaul.text.tokenizer import Tokenizer
 from tokenhaul.whatif.calibrate import machine_roofline
 
-Prompt = str | list[int]
+Prompt = str | list[int] | dict  # dict: vLLM's TextPrompt {"prompt"} or TokensPrompt {"prompt_token_ids"}
 
 
 class LLM:
@@ -105,6 +105,8 @@ class LLM:
         return draft, (load("none") if packed else None)
 
     def encode(self, prompt: Prompt) -> list[int]:
+        if isinstance(prompt, dict):
+            prompt = _prompt_of(prompt)
         if isinstance(prompt, str):
             if not prompt:
                 raise RequestError("prompt is empty")
@@ -124,7 +126,7 @@ class LLM:
         n engine requests, sample i seeded seed + i as the HTTP server seeds its choices (see _fan_out), so the
         two agree; their outputs fold back into the prompt's RequestOutput.outputs. use_tqdm (vLLM's; off by
         default here): a progress bar of finished requests on stderr."""
-        if isinstance(prompts, str) or (isinstance(prompts, list) and prompts and isinstance(prompts[0], int)):
+        if isinstance(prompts, (str, dict)) or (isinstance(prompts, list) and prompts and isinstance(prompts[0], int)):
             prompts = [prompts]
         params = sampling_params or SamplingParams()
         plist = params if isinstance(params, list) else [params] * len(prompts)
@@ -140,7 +142,12 @@ class LLM:
             for i, (prompt, p) in enumerate(zip(prompts, plist)):
                 rid = f"gen-{next(self._ids)}"
                 token_ids = self.encode(prompt)
+                if p.truncate_prompt_tokens:  # vLLM's: the prompt's last k tokens
+                    token_ids = token_ids[-p.truncate_prompt_tokens:]
                 fan = _fan_out(p)
+                for sp in fan:
+                    if sp.bad_words:
+                        sp.update_from_tokenizer(lambda t: self.tokenizer.encode(t, add_special_tokens=False))
                 if len(fan) > 1 and keep_kv and keep_kv[i] is not None:
                     raise RequestError(f"n={p.n} samples cannot keep their KV in one keep_kv holder")
                 sample_ids = [rid] if len(fan) == 1 else [f"{k}_{rid}" for k in range(len(fan))]  # vLLM's child ids
@@ -168,7 +175,7 @@ class LLM:
                 for (rid, sample_ids), p in zip(groups, plist)]
         for o, prompt in zip(outs, prompts):
             o.ledger = ledger
-            o.prompt = prompt if isinstance(prompt, str) else None
+            o.prompt = prompt if isinstance(prompt, str) else prompt.get("prompt") if isinstance(prompt, dict) else None
         return outs
 
     def get_tokenizer(self) -> Tokenizer:
@@ -188,6 +195,15 @@ class LLM:
         for o, prompt in zip(outs, prompts):
             o.prompt = prompt  # the rendered chat, as vLLM's
         return outs
+
+
+def _prompt_of(prompt: dict) -> str | list[int]:
+    """vLLM's prompt dicts: {"prompt_token_ids": [...]} (TokensPrompt) or {"prompt": "..."} (TextPrompt)."""
+    if "prompt_token_ids" in prompt:
+        return list(prompt["prompt_token_ids"])
+    if isinstance(prompt.get("prompt"), str):
+        return prompt["prompt"]
+    raise RequestError(f"a prompt dict needs 'prompt' (text) or 'prompt_token_ids', got keys {sorted(prompt)}")
 
 
 def _fan_out(p: SamplingParams) -> list[SamplingParams]:

@@ -48,7 +48,7 @@ class SamplingParams:
     truncate_prompt_tokens: int | None = None  # vLLM's: the front end keeps only the prompt's last k tokens
     # bad_words as token sequences (both with and without a leading space), set by the front end's tokenizer:
     # a sequence's last token is banned wherever the output so far ends with the rest of it
-    bad_words_token_ids: list[list[int]] = field(default_factory=list)
+    bad_words_token_ids: list[list[int]] = field(default_factory=list, init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         if self.stop is None:  # vLLM's None: no stop strings / stop tokens
@@ -159,15 +159,16 @@ class SamplingParams:
                 or self.allowed_token_ids is not None or bool(self.bad_words_token_ids))
 
     def update_from_tokenizer(self, encode: Callable[[str], list[int]]) -> None:
-        """Tokenize bad_words (the front end calls this; `encode` adds no special tokens), as vLLM: each word as
-        written without its leading spaces, and with one leading space where that gives other tokens of the same
-        count (the word inside text rather than at its start)."""
+        """Tokenize bad_words (the front end calls this; `encode` adds no special tokens): each word as written
+        without its leading spaces, and with one leading space where that gives other tokens (the word inside text
+        rather than at its start). vLLM keeps the spaced form only at the same token count, so there "Berlin"
+        ("Ber", "lin") does not ban " Berlin" (one token); here it does."""
         seqs: list[list[int]] = []
         for word in self.bad_words:
             plain = encode(word.lstrip())
             seqs.append(plain)
             spaced = encode(" " + word.lstrip())
-            if spaced and plain and spaced[0] != plain[0] and len(spaced) == len(plain):
+            if spaced and spaced[0] != (plain or [None])[0]:
                 seqs.append(spaced)
         self.bad_words_token_ids = [q for q in seqs if q]
 

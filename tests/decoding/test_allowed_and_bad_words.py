@@ -39,7 +39,6 @@ def test_bad_words_ban_the_last_token_after_the_rest():
     r = Request("r", [0], bad([[1]], temperature=0))
     assert sample(LOGITS[None].clone(), [r])[0].token == 4  # a one-token word: never
     p = bad([[2, 4], [3, 1]], temperature=0)
-    assert tokens(out=[2], **vars(p) | {"bad_words": []}) == {1}  # (no ban without the front end's sequences)
     for out, want in (([], 1), ([2], 1), ([0, 3], 4), ([3, 3], 4), ([1], 1)):
         r = Request("r", [0], p)
         r.output_token_ids = list(out)
@@ -50,7 +49,7 @@ def test_bad_words_tokenized_with_and_without_a_leading_space():
     vocab = {"foo": [7], " foo": [9], "foo bar": [7, 3], " foo bar": [9, 3], "zz": [5, 5], " zz": [6]}
     p = SamplingParams(bad_words=[" foo", "foo bar", "zz"])
     p.update_from_tokenizer(vocab.__getitem__)
-    assert p.bad_words_token_ids == [[7], [9], [7, 3], [9, 3], [5, 5]]  # " zz" is another length: vLLM skips it
+    assert p.bad_words_token_ids == [[7], [9], [7, 3], [9, 3], [5, 5], [6]]  # " zz": one token (vLLM skips it)
 
 
 def test_core_refuses_untokenized_bad_words_and_ids_outside_the_vocabulary():
@@ -87,3 +86,36 @@ def test_bad_values_one_line_errors(kw, msg):
     with pytest.raises(RequestError, match=msg) as e:
         SamplingParams(**kw)
     assert "\n" not in str(e.value)
+
+
+def test_offline_bad_words_truncation_and_prompt_dicts_on_smollm(smollm):
+    """LLM tokenizes bad_words itself (a word the model writes greedily is then never written), keeps the last
+    truncate_prompt_tokens tokens, and takes vLLM's prompt dicts."""
+    prompt = "The capital of France is Paris. The capital of Germany is"
+    greedy = SamplingParams(max_tokens=8, temperature=0)
+    plain = smollm.generate(prompt, greedy)[0]
+    word = plain.text.split()[0].strip(".")  # "Berlin": two tokens alone, one (" Berlin") after a space
+    out = smollm.generate(prompt, SamplingParams(max_tokens=8, temperature=0, bad_words=[word]))[0]
+    assert word not in out.text and out.text != plain.text
+    ids = smollm.tokenizer.encode(prompt)
+    cut = smollm.generate({"prompt_token_ids": ids}, SamplingParams(max_tokens=4, temperature=0,
+                                                                  truncate_prompt_tokens=5))[0]
+    assert cut.prompt_token_ids == ids[-5:]
+    assert cut.token_ids == smollm.generate([ids[-5:]], SamplingParams(max_tokens=4, temperature=0))[0].token_ids
+    by_dict = smollm.generate([{"prompt": prompt}], greedy)[0]
+    assert by_dict.text == plain.text and by_dict.prompt == prompt
+    with pytest.raises(RequestError, match="prompt_token_ids"):
+        smollm.generate({"text": prompt}, greedy)
+
+
+def test_cli_flags():
+    import argparse
+
+    from tokenhaul.cli import add_sampling_args, sampling_params
+
+    p = argparse.ArgumentParser()
+    add_sampling_args(p)
+    sp = sampling_params(p.parse_args(["--bad-words", "Berlin", "--bad-words", "Paris", "--allowed-token-ids", "3",
+                                       "--allowed-token-ids", "9", "--truncate-prompt-tokens", "7"]))
+    assert (sp.bad_words, sp.allowed_token_ids, sp.truncate_prompt_tokens) == (["Berlin", "Paris"], [3, 9], 7)
+    assert sampling_params(p.parse_args([])).allowed_token_ids is None
