@@ -275,7 +275,9 @@ def cmd_calibrate(args: argparse.Namespace) -> None:
     if args.threads:
         torch.set_num_threads(args.threads)
     roof, entry = calibrate(args.device)
-    print(f"{roof.key}: read {roof.bandwidth / 1e9:.1f} GB/s, fp32 GEMM {roof.peak_flops / 1e9:.0f} GFLOP/s, "
+    cached = (f" ({roof.resident_bandwidth / 1e9:.1f} GB/s over {roof.resident_bytes / 2**20:.0f} MiB in the "
+              f"last-level cache)") if roof.resident_bytes else ""
+    print(f"{roof.key}: read {roof.bandwidth / 1e9:.1f} GB/s{cached}, fp32 GEMM {roof.peak_flops / 1e9:.0f} GFLOP/s, "
           f"ridge {roof.ridge:.1f} FLOP/byte (measured in {entry['measure_seconds']:.1f} s) → {calibration_path()}")
 
 

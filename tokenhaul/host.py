@@ -30,6 +30,22 @@ def cpu_vendor() -> str:
     return _cpuinfo("vendor_id") or ""
 
 
+def llc_bytes() -> int:
+    """The last-level cache that CPU 0 sees, in bytes (sysfs; 0 where it does not say)."""
+    best = (0, 0)
+    for index in Path("/sys/devices/system/cpu/cpu0/cache").glob("index*"):
+        try:
+            level = int((index / "level").read_text())
+            size = (index / "size").read_text().strip()
+        except (OSError, ValueError):
+            continue
+        scale = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30}.get(size[-1:], 1)
+        digits = size.rstrip("KMG")
+        if digits.isdigit():
+            best = max(best, (level, int(digits) * scale))
+    return best[1]
+
+
 def openmp_wait() -> str:
     """How OpenMP threads wait between ops in this process (chosen in tokenhaul/__init__.py unless the
     environment set it): a step's time depends on it as much as on any kernel."""

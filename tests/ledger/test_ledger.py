@@ -165,3 +165,32 @@ def test_empty_ledger_reads_cleanly(ledger_core):
     _, ledger = ledger_core()
     assert ledger.summary(ROOF)["roofline_fraction"] == 0.0
     assert len(findings(ledger, ROOF)) == 5 and "<html>" in html_report(ledger, ROOF)
+
+
+def test_roofline_follows_a_working_set_that_fits_the_cache(ledger_core):
+    """Weights that fit the buffer calibrated in the last-level cache are read at that bandwidth, so a small model
+    on a big-cache host is not put above 100 % of a DRAM roofline; bigger ones keep the DRAM roofline."""
+    roof = Roofline(20e9, 100e9, "m", resident_bytes=64e6, resident_bandwidth=80e9)
+    assert roof.for_working_set(10e6).bandwidth == 80e9 and "last-level cache" in roof.for_working_set(10e6).key
+    assert roof.for_working_set(65e6) is roof and ROOF.for_working_set(1e6) is ROOF
+    assert Roofline(20e9, 1e11, "m", 64e6, 10e9).for_working_set(1e6).bandwidth == 20e9  # never below DRAM's
+    core, _ = ledger_core()
+    weights = core.observer.costs.weight_bytes_per_step
+    for fits, bw in ((True, 80e9), (False, 20e9)):
+        r = Roofline(20e9, 100e9, "m", weights * (2 if fits else 0.5), 80e9)
+        ledger = core.observer = Ledger(core.observer.costs, roofline=lambda r=r: r)
+        run(core, ledger, 2)
+        assert ledger.roofline().bandwidth == bw
+        assert ledger.summary()["roofline_fraction"] == pytest.approx(ledger.decode.position(ledger.roofline())
+                                                                      .roofline_fraction)
+
+
+def test_calibration_measures_a_cache_resident_pass(monkeypatch):
+    from tokenhaul.whatif import calibrate
+
+    monkeypatch.setattr(calibrate, "llc_bytes", lambda: 8 << 20)
+    monkeypatch.setattr(calibrate, "measure_flops", lambda *a, **k: 1e11)
+    entry = calibrate.measure(nbytes=64 << 20)
+    assert entry["resident_bytes"] == 4 << 20 and entry["resident_gb_per_s"] > 0
+    roof = calibrate._roofline("k", entry)
+    assert roof.resident_bytes == 4 << 20 and roof.resident_bandwidth == entry["resident_gb_per_s"] * 1e9

@@ -264,10 +264,11 @@ class Ledger:
 
     # reading ----------------------------------------------------------------------------------
     def roofline(self) -> Roofline:
-        """The limits this ledger was given a source for (LLM passes whatif's calibration)."""
+        """The limits this ledger was given a source for (LLM passes whatif's calibration), for a step's weights:
+        read from the last-level cache where they fit the buffer calibrated there."""
         if self._roofline is None:
             raise ValueError("this ledger has no roofline source: pass a Roofline to the reading")
-        return self._roofline()
+        return self._roofline().for_working_set(self.costs.weight_bytes_per_step)
 
     @property
     def between_steps_seconds(self) -> float:

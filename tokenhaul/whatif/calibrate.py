@@ -1,4 +1,5 @@
-"""Calibration: this machine's read bandwidth and fp32 GEMM FLOP/s, measured once and cached.
+"""Calibration: this machine's read bandwidth (from DRAM, and from a buffer that stays in the last-level cache)
+and fp32 GEMM FLOP/s, measured once and cached.
 
 Cached in `<cache root>/calibration.json`, one entry per CPU model | thread count | device, so the
 ledger's roofline follows `torch.set_num_threads` and the device in use. `machine_roofline` is what
@@ -13,14 +14,14 @@ from pathlib import Path
 import torch
 
 from tokenhaul.atomic import atomic_path
-from tokenhaul.host import cpu_model
+from tokenhaul.host import cpu_model, llc_bytes
 from tokenhaul.models.catalog import cache_root
 from tokenhaul.whatif import clock
 from tokenhaul.whatif.roofline import Roofline
 
 CALIBRATION_FILE = "calibration.json"
 STREAMS = 32  # read streams per thread in the second bandwidth pass
-METHOD = 2  # entries measured another way (1: one stream only) are measured again
+METHOD = 3  # entries measured another way (1: one stream only; 2: no cache-resident pass) are measured again
 _memo: dict[str, Roofline] = {}
 
 
@@ -60,7 +61,10 @@ def measure(device: str = "cpu", nbytes: int = 2**30, gemm_n: int | None = None)
     t = time.perf_counter()
     bandwidth = measure_bandwidth(device, nbytes)
     flops = measure_flops(device, gemm_n)
+    resident = (llc_bytes() // 2) // (STREAMS * 4 * 1024) * (STREAMS * 4 * 1024) if device == "cpu" else 0
+    resident_bw = measure_bandwidth(device, resident) if resident else 0.0  # the buffer read again: in cache
     return {"bandwidth_gb_per_s": bandwidth / 1e9, "gflop_per_s": flops / 1e9, "method": METHOD,
+            "resident_bytes": resident, "resident_gb_per_s": resident_bw / 1e9,
             "threads": torch.get_num_threads(), "device": device, "measured_at": time.time(),
             "measure_seconds": time.perf_counter() - t}
 
@@ -108,4 +112,5 @@ def machine_roofline(device: str = "cpu", root: Path | None = None) -> Roofline:
 
 
 def _roofline(key: str, entry: dict) -> Roofline:
-    return Roofline(entry["bandwidth_gb_per_s"] * 1e9, entry["gflop_per_s"] * 1e9, key)
+    return Roofline(entry["bandwidth_gb_per_s"] * 1e9, entry["gflop_per_s"] * 1e9, key,
+                    entry.get("resident_bytes", 0), entry.get("resident_gb_per_s", 0.0) * 1e9)
