@@ -130,17 +130,21 @@ def test_echo_with_logprobs_covers_prompt_and_completion(real_server, client, of
     check_prompt_logprobs(choice["prompt_logprobs"], offline, engine.tokenizer, k=2)
 
 
-def test_echo_with_logprobs_streamed_as_not_streamed(real_server, client):
+def test_echo_with_logprobs_streamed_as_not_streamed(real_server, client, monkeypatch):
     """Streamed, each choice's first chunk carries its prompt and the prompt's logprobs with its first token
-    (vLLM); put together, the chunks say what the non-streamed response says."""
+    (vLLM); put together, the chunks say what the non-streamed response says. As not streamed, only each prompt's
+    first choice asks the engine for them (the others share its prefix cache)."""
     import json
 
-    url = real_server[0] + "/v1/completions"
+    url, engine = real_server
+    url += "/v1/completions"
     req = {"prompt": [PROMPT, "1, 2, 3,"], "n": 2, "max_tokens": 4, "temperature": 0, "echo": True, "logprobs": 1}
     whole = client.post(url, json=req).json()
     got = {i: {"text": "", "tokens": [], "token_logprobs": [], "top_logprobs": [], "text_offset": []}
            for i in range(4)}
     firsts = {}
+    asked, add = [], engine.client.add
+    monkeypatch.setattr(engine.client, "add", lambda msg: asked.append(msg.params.prompt_logprobs) or add(msg))
     with client.stream("POST", url, json=req | {"stream": True}) as r:
         assert r.status_code == 200
         for line in r.iter_lines():
@@ -157,6 +161,7 @@ def test_echo_with_logprobs_streamed_as_not_streamed(real_server, client):
         assert got[i]["tokens"] == c["logprobs"]["tokens"] and got[i]["text_offset"] == c["logprobs"]["text_offset"]
         assert got[i]["token_logprobs"][0] is None and got[i]["top_logprobs"][0] is None
         assert got[i]["token_logprobs"][1:] == pytest.approx(c["logprobs"]["token_logprobs"][1:], abs=TOL)
+    assert asked == [1, None, 1, None]
 
 
 def test_openai_client_parses_prompt_logprobs_and_echo(oai, offline, real_server):
@@ -236,15 +241,18 @@ def test_echo_with_max_tokens_zero_token_ids_and_no_logprobs(real_server, client
 
 
 @pytest.mark.parametrize("logprobs", [None, 1])
-def test_echo_with_max_tokens_zero_streamed(real_server, client, logprobs):
+def test_echo_with_max_tokens_zero_streamed(real_server, client, logprobs, monkeypatch):
     """Streamed, each choice comes as one chunk: its prompt (with its logprobs), finish_reason length; the same as
     the non-streamed response, and the usage counts no completion token."""
     import json
 
-    url = real_server[0] + "/v1/completions"
+    url, engine = real_server
+    url += "/v1/completions"
     req = {"prompt": [PROMPT, "1, 2, 3,"], "n": 2, "max_tokens": 0, "echo": True, "logprobs": logprobs}
     whole = client.post(url, json=req).json()
     chunks, usage = [], None
+    asked, add = [], engine.client.add
+    monkeypatch.setattr(engine.client, "add", lambda msg: asked.append(msg.params.prompt_logprobs) or add(msg))
     with client.stream("POST", url, json=req | {"stream": True, "stream_options": {"include_usage": True}}) as r:
         assert r.status_code == 200
         for line in r.iter_lines():
@@ -262,6 +270,7 @@ def test_echo_with_max_tokens_zero_streamed(real_server, client, logprobs):
             assert c["logprobs"] is None is want["logprobs"]
         else:
             check_same_logprobs(c["logprobs"], want["logprobs"])
+    assert asked == [logprobs, None] * 2  # each prompt's first choice alone computes its logprobs
 
 
 def test_openai_client_parses_prompt_scoring(oai, offline):

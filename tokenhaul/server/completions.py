@@ -47,8 +47,7 @@ class CompletionsHandler(OpenAIServing):
             # vLLM's prompt_logprobs, else echo's k (its to_sampling_params); no stream chunk carries them
             shown_k = None if body.stream else body.prompt_logprobs if body.prompt_logprobs is not None else echo_k
             engine_k = max((k for k in (shown_k, echo_k) if k is not None), default=None)
-            per_prompt = [body.choice_params(max_tokens, body.logprobs, engine_k, every_choice=body.stream)
-                          for _ in prompts]
+            per_prompt = [body.choice_params(max_tokens, body.logprobs, engine_k) for _ in prompts]
         except TokenhaulError as err:
             raise refused(e, err) from None
         params = [p for ps in per_prompt for p in ps]
@@ -95,15 +94,16 @@ class CompletionsHandler(OpenAIServing):
                                  "choices": choices, "usage": usage()}, headers={REPLICA_HEADER: stream.replica})
 
         unechoed = set(range(num_choices)) if echo_k is not None else set()
-        scored: dict[int, list[TokenLogprob | None] | None] = {}  # scoring: prompt logprobs held to the chunk
+        # echo with logprobs: only the prompt's first choice computes its logprobs (the others share its prefix
+        # cache); a choice's deltas wait for them, which come with that choice's first delta
+        shared = _SharedPromptLogprobs(body.n) if echo_k is not None else None
 
         def frames(items: list[tuple[int, GenerationDelta]]) -> list[dict]:
             choices = []
-            for i, d in items:
+            for i, d in items if shared is None else shared.ready(items):
                 if scoring:  # one chunk per choice once its engine token is done: the prompt and its logprobs (vLLM)
-                    scored[i] = scored.get(i) or d.prompt_logprobs
                     if d.finished:
-                        lp = self._completion_logprobs(echo_rows(i, scored.pop(i)), offsets, i) if want_lp else None
+                        lp = self._completion_logprobs(echo_rows(i, shared.of(i)), offsets, i) if want_lp else None
                         choices.append({"index": i, "text": echoes[i // body.n], "logprobs": lp,
                                         "finish_reason": "length", "stop_reason": None})
                     continue
@@ -114,7 +114,7 @@ class CompletionsHandler(OpenAIServing):
                 if i in unechoed:  # echo with logprobs: the prompt and its logprobs with the first token (vLLM)
                     unechoed.discard(i)
                     text = echoes[i // body.n] + text
-                    lp = self._completion_logprobs(echo_rows(i, d.prompt_logprobs) + self._rows(d.logprobs or []),
+                    lp = self._completion_logprobs(echo_rows(i, shared.of(i)) + self._rows(d.logprobs or []),
                                                    offsets, i)
                 elif want_lp:
                     lp = self._completion_logprobs(self._rows(d.logprobs or []), offsets, i)
@@ -197,6 +197,35 @@ class CompletionsHandler(OpenAIServing):
             best[t] = values[-1]  # and the token, where it is not among the k (vLLM; up to k + 1 entries)
             tops.append(best)
         return {"tokens": tokens, "token_logprobs": values, "top_logprobs": tops, "text_offset": text_offset}
+
+
+class _SharedPromptLogprobs:
+    """A stream's prompt logprobs, asked of each prompt's first choice alone (choice_params): per prompt, those its
+    first choice's first delta carried; the deltas of a prompt's other choices held until they came."""
+
+    def __init__(self, n: int) -> None:
+        self.n = n
+        self.by_prompt: dict[int, list[TokenLogprob | None] | None] = {}
+        self.held: dict[int, list[GenerationDelta]] = {}
+
+    def ready(self, items: list[tuple[int, GenerationDelta]]) -> list[tuple[int, GenerationDelta]]:
+        """The deltas whose prompt logprobs are known, in order: these items', and those held for them."""
+        out = []
+        for i, d in items:
+            prompt = i // self.n
+            if prompt in self.by_prompt:
+                out.append((i, d))
+            elif i % self.n:
+                self.held.setdefault(i, []).append(d)
+            else:
+                self.by_prompt[prompt] = d.prompt_logprobs
+                out.append((i, d))
+                out += [(j, h) for j in range(i + 1, i + self.n) for h in self.held.pop(j, [])]
+        return out
+
+    def of(self, i: int) -> list[TokenLogprob | None] | None:
+        """Choice i's prompt logprobs (None if its first choice ended with none)."""
+        return self.by_prompt[i // self.n]
 
 
 class _TextOffsets:

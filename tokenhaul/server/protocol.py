@@ -106,16 +106,16 @@ class SamplingRequest(RequestBody):
                 raise RequestError("prompt_logprobs are not available when stream is true")
 
     def choice_params(self, max_tokens: int, logprobs: int | None, prompt_logprobs: int | None = None,
-                      every_choice: bool = False, tool_schema: dict | None = None) -> list[SamplingParams]:
+                      tool_schema: dict | None = None) -> list[SamplingParams]:
         """The SamplingParams of one prompt's engine requests: with use_beam_search one, returning the n best
-        beams as the n choices; else one per choice. The first asks for `prompt_logprobs` (the choices share a
-        prompt), or every one with `every_choice` (a stream, where no choice may wait for another's).
+        beams as the n choices; else one per choice. The first alone asks for `prompt_logprobs` (the choices
+        share a prompt; the others hit the prefix cache).
         tool_schema: the JSON schema a chat's tool_choice constrains the output with."""
         so = structured_outputs({name: getattr(self, name) for name in SOURCES} | {"tools": tool_schema})
         if self.use_beam_search:
             return [self.sampling_params(max_tokens, logprobs, n=self.n, prompt_logprobs=prompt_logprobs, so=so)]
         return [self.sampling_params(max_tokens, logprobs, i,
-                                     prompt_logprobs=prompt_logprobs if i == 0 or every_choice else None, so=so)
+                                     prompt_logprobs=prompt_logprobs if i == 0 else None, so=so)
                 for i in range(self.n)]
 
     def sampling_params(self, max_tokens: int, logprobs: int | None, index: int = 0, n: int = 1,
