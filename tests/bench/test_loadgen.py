@@ -31,3 +31,16 @@ def test_summary_reports_itl_tail_and_judges_the_longest_gap():
     table = format_table(s)
     assert "ITL p99/p50" in table and "itl≤200ms" in table and "max" in table
     assert summarize([stalled], 2.0, slo_itl_ms=400)["good_requests"] == 1
+
+
+@pytest.mark.parametrize("extra", [[], ["--model", "x"]])
+def test_bench_serve_without_a_server_is_one_error_line_and_fails(capsys, extra):
+    """No server at --url: a one-line error and a non-zero exit, not a traceback (model lookup) or a table of zeros
+    that exits 0 (every request failed)."""
+    from tokenhaul.cli import main
+
+    with pytest.raises(SystemExit) as e:
+        main(["bench", "serve", "--url", "http://127.0.0.1:9", "--num-requests", "2", "--output-len", "4", *extra])
+    assert e.value.code not in (0, None)
+    err = capsys.readouterr().err
+    assert "Traceback" not in err and ("cannot reach" in err or "requests failed" in err)

@@ -29,6 +29,7 @@ from typing import Any
 import httpx
 import numpy as np
 
+from tokenhaul.errors import TokenhaulError
 from tokenhaul.ledger.costs import prefix_miss_cost
 
 _WORDS = (
@@ -164,7 +165,7 @@ async def run_load(url: str, specs: list[PromptSpec], model: str | None = None, 
     limits = httpx.Limits(max_connections=limit + 4, max_keepalive_connections=limit + 4)
     async with httpx.AsyncClient(timeout=httpx.Timeout(None, connect=30.0), limits=limits) as client:
         if model is None:
-            model = (await client.get(url + "/v1/models")).json()["data"][0]["id"]
+            model = await _served_model(client, url)
 
         def body(s: PromptSpec) -> dict:
             return {"model": model, "prompt": s.prompt, "max_tokens": s.max_tokens, "stream": True,
@@ -188,6 +189,18 @@ async def run_load(url: str, specs: list[PromptSpec], model: str | None = None, 
                 await asyncio.sleep(rng.expovariate(rate))
         results = await asyncio.gather(*tasks)
         return list(results), time.perf_counter() - t0, model
+
+
+async def _served_model(client: httpx.AsyncClient, url: str) -> str:
+    """The first model the server at `url` lists (GET /v1/models); a one-line TokenhaulError where there is none."""
+    try:
+        r = await client.get(url + "/v1/models")
+        return r.json()["data"][0]["id"]
+    except httpx.HTTPError as e:
+        raise TokenhaulError(f"cannot reach {url}: {type(e).__name__}: {e}") from None
+    except (ValueError, KeyError, IndexError, TypeError):
+        raise TokenhaulError(f"{url}/v1/models answered HTTP {r.status_code} without a model: {r.text[:200]!r}; "
+                             f"pass --model") from None
 
 
 async def _get(url: str, path: str, timeout: float) -> httpx.Response | None:
@@ -459,4 +472,6 @@ def main(args: argparse.Namespace) -> dict[str, Any]:
             print(text)
         else:
             Path(args.json).write_text(text)
+    if not s["completed"]:  # nothing measured: a failed run, not a table of zeros
+        raise TokenhaulError(f"all {s['failed']} requests failed: {'; '.join(s['errors']) or 'no error given'}")
     return s
