@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 import math
 from collections.abc import Callable, Collection
 from dataclasses import dataclass, field
@@ -46,6 +47,7 @@ class SamplingParams:
     allowed_token_ids: list[int] | None = None  # vLLM's: only these tokens may be sampled
     bad_words: list[str] = field(default_factory=list)  # vLLM's: words never generated (see update_from_tokenizer)
     truncate_prompt_tokens: int | None = None  # vLLM's: the front end keeps only the prompt's last k tokens
+    detokenize: bool = True  # vLLM's: False returns token ids only (no text: no stop strings either)
     # bad_words as token sequences (both with and without a leading space), set by the front end's tokenizer:
     # a sequence's last token is banned wherever the output so far ends with the rest of it
     bad_words_token_ids: list[list[int]] = field(default_factory=list, init=False, repr=False, compare=False)
@@ -95,6 +97,7 @@ class SamplingParams:
              f"beam_width must be an integer in [1, 64], got {self.beam_width!r}"),
             (isinstance(self.n, int) and 1 <= self.n <= (self.beam_width if self.use_beam_search else MAX_N),
              f"n must be an integer in [1, {MAX_N}], and at most beam_width with use_beam_search, got {self.n!r}"),
+            (self.detokenize or not self.stop, "stop strings need detokenize=True (they are matched in the text)"),
             (self.structured_outputs is None or isinstance(self.structured_outputs, StructuredOutputsParams),
              f"structured_outputs must be a StructuredOutputsParams, got {type(self.structured_outputs).__name__}"),
             (self.structured_outputs is None or (self.speculative == "off" and not self.use_beam_search),
@@ -145,6 +148,10 @@ class SamplingParams:
         for ok, msg in checks:
             if not ok:
                 raise RequestError(msg)
+
+    def clone(self) -> SamplingParams:
+        """A deep copy (vLLM's), the front end's tokenized bad words included."""
+        return copy.deepcopy(self)
 
     @property
     def greedy(self) -> bool:

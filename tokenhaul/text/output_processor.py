@@ -36,7 +36,7 @@ class OutputProcessor:
         self._stop_ids[request_id] = self._silent_stop_ids(params)
         self._detok[request_id] = Detokenizer(self.tokenizer, prompt_token_ids, params.stop,
                                               params.skip_special_tokens, params.include_stop_str_in_output,
-                                              params.min_tokens)
+                                              params.min_tokens) if params.detokenize else _NoText()
         return out
 
     def process(self, deltas: list[RequestDelta], step: int = -1) -> tuple[list[RequestOutput], list[str]]:
@@ -118,3 +118,16 @@ class OutputProcessor:
 def _text_ids(ids: list[int], stop_ids: frozenset[int]) -> list[int]:
     """The ids of a sequence that ended at a stop whose text shows: all but a final stop token."""
     return ids[:-1] if ids and ids[-1] in stop_ids else ids
+
+
+class _NoText:
+    """The Detokenizer of a request with detokenize=False (vLLM's): no text, so no stop string ever matches."""
+
+    stopped = False
+    stop_reason = None
+
+    def push_until_stop(self, ids: list[int]) -> tuple[str, int]:
+        return "", len(ids)
+
+    def flush(self) -> str:
+        return ""

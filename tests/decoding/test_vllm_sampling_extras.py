@@ -1,5 +1,6 @@
-"""vLLM's allowed_token_ids (only those tokens may be sampled) and bad_words (a word's last token is banned
-wherever the output so far ends with the rest of it), greedy, sampled and speculative."""
+"""vLLM's SamplingParams extras: allowed_token_ids (only those tokens may be sampled) and bad_words (a word's last
+token is banned wherever the output so far ends with the rest of it), greedy, sampled and speculative;
+truncate_prompt_tokens, detokenize=False, clone(), and the prompt dicts LLM.generate takes."""
 
 import pytest
 import torch
@@ -119,3 +120,16 @@ def test_cli_flags():
                                        "--allowed-token-ids", "9", "--truncate-prompt-tokens", "7"]))
     assert (sp.bad_words, sp.allowed_token_ids, sp.truncate_prompt_tokens) == (["Berlin", "Paris"], [3, 9], 7)
     assert sampling_params(p.parse_args([])).allowed_token_ids is None
+
+
+def test_detokenize_false_gives_ids_only_and_clone_copies(smollm):
+    prompt = "The capital of France is"
+    with_text = smollm.generate(prompt, SamplingParams(max_tokens=6, temperature=0))[0]
+    ids_only = smollm.generate(prompt, SamplingParams(max_tokens=6, temperature=0, detokenize=False))[0]
+    assert ids_only.token_ids == with_text.token_ids and with_text.text and ids_only.text == ""
+    with pytest.raises(RequestError, match="detokenize"):
+        SamplingParams(stop=["."], detokenize=False)
+    p = SamplingParams(bad_words=["a"], allowed_token_ids=[1, 2])
+    p.bad_words_token_ids = [[7]]
+    q = p.clone()
+    assert q == p and q.bad_words_token_ids == [[7]] and q.allowed_token_ids is not p.allowed_token_ids
