@@ -118,7 +118,8 @@ def test_script_echo_puts_each_prompt_before_its_choices(script_server, client, 
     want = [prompts[i // 2] + ref["choices"][i]["text"] for i in range(4)]
     assert [c["text"] for c in r["choices"]] == want and r["usage"] == ref["usage"]
     chunks, _ = sse(client, url, base | {"echo": True, "stream_options": {"include_usage": True}})
-    assert [c["text"] for c in chunks[0]["choices"]] == [prompts[i // 2] for i in range(4)]
+    assert [ch["choices"] for ch in chunks[:4]] == [[{"index": i, "text": prompts[i // 2], "logprobs": None,
+                                                      "finish_reason": None, "stop_reason": None}] for i in range(4)]
     texts = ["", "", "", ""]
     for ch in chunks[:-1]:
         for c in ch["choices"]:
@@ -335,3 +336,38 @@ def test_real_stream_equals_plain_and_stop_does_not_leak(real_server, client, na
     stop = text[mid:mid + 2] if text[mid:mid + 2].strip() else text[mid:mid + 3]
     want = text[:text.find(stop)]
     assert both(client, url, base | {"stop": [stop]}) == ((want, "stop"), (want, "stop"))
+
+
+def choice_texts(chunks: list[dict], chat: bool) -> dict[int, str]:
+    """Each choice's streamed text by index; every chunk holds at most one choice (OpenAI's, vLLM's: clients read
+    choices[0]), and only the usage chunk none."""
+    texts: dict[int, str] = {}
+    for ch in chunks:
+        assert len(ch["choices"]) <= 1, ch
+        assert ch["choices"] or "usage" in ch, ch
+        for c in ch["choices"]:
+            texts[c["index"]] = texts.get(c["index"], "") + ((c["delta"].get("content") or "") if chat else c["text"])
+    return texts
+
+
+@pytest.mark.real_model
+@pytest.mark.parametrize("path,body", [
+    (CMPL, {"prompt": "Hi", "n": 2}),
+    (CMPL, {"prompt": ["Hi", "Once upon a time"], "n": 2, "logprobs": 1, "echo": True}),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "Hi"}], "n": 3, "logprobs": True}),
+])
+def test_real_stream_sends_one_choice_per_chunk(real_server, client, path, body):
+    """Streamed n > 1: one choice per chunk (a client reading choices[0] sees every choice), each choice's text in
+    order equal to the non-streamed response's at the same seed; the usage chunk has no choice."""
+    url = real_server[0] + path
+    body |= {"max_tokens": 3, "temperature": 1, "seed": 1}
+    chat = "messages" in body
+    r = client.post(url, json=body)
+    assert r.status_code == 200, r.text
+    want = {c["index"]: c["message"]["content"] if chat else c["text"] for c in r.json()["choices"]}
+    chunks, _ = sse(client, url, body | {"stream_options": {"include_usage": True,
+                                                              "continuous_usage_stats": True}})
+    assert choice_texts(chunks, chat) == want and len(set(want.values())) > 1
+    assert chunks[-1]["choices"] == [] and chunks[-1]["usage"] == r.json()["usage"]
+    done = [ch["usage"]["completion_tokens"] for ch in chunks]
+    assert done == sorted(done)

@@ -102,11 +102,12 @@ class OpenAIServing:
             tail: Callable[[], list[dict]], head: list[dict] | None = None,
             usage: Callable[[], dict] | None = None) -> StreamingResponse:
         """The SSE response: head chunks, frames per stream item, tail chunks, [DONE]; with `usage`, every chunk
-        carries the usage so far (vLLM's stream_options.continuous_usage_stats)."""
+        carries the usage so far (vLLM's stream_options.continuous_usage_stats). A chunk holding several choices is
+        sent as one chunk per choice, in order (OpenAI's and vLLM's: clients read `choices[0]`)."""
         hist = self._frame_hist
 
         def text(chunks: list[dict]) -> str:
-            return "".join(_frame(c if usage is None else c | {"usage": usage()}) for c in chunks)
+            return "".join(_frame(c if usage is None else c | {"usage": usage()}) for c in _one_choice_each(chunks))
 
         async def gen() -> AsyncIterator[str]:
             async with stream:
@@ -159,6 +160,19 @@ def continuous_usage(stream_options: StreamOptions | None) -> bool:
 def finite(x: float | None) -> float:
     """A logprob as JSON can carry it: -inf (or none) as -9999.0."""
     return -9999.0 if x is None or not math.isfinite(x) else x
+
+
+def _one_choice_each(chunks: list[dict]) -> list[dict]:
+    """Each chunk with more than one choice split into chunks of one choice each (the same id, in order); a chunk of
+    one choice, or none (a usage chunk), as it is."""
+    out = []
+    for c in chunks:
+        choices = c.get("choices")
+        if choices is not None and len(choices) > 1:
+            out += [c | {"choices": [choice]} for choice in choices]
+        else:
+            out.append(c)
+    return out
 
 
 def _frame(obj: dict) -> str:
