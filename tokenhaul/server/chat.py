@@ -41,9 +41,8 @@ class ChatHandler(OpenAIServing):
             prompt = await e.encode_chat(messages, body.add_generation_prompt, body.continue_final_message,
                                          template_kwargs=kwargs)
             max_tokens = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
-            if max_tokens is None:  # as much as fits in the context and the KV pool
-                room = min(e.limits.max_model_len, e.limits.num_blocks * e.limits.block_size) - len(prompt)
-                max_tokens = max(1, room)
+            if max_tokens is None:  # null or left out (vLLM's default): up to the context's end
+                max_tokens = self.room(len(prompt))
             lp = (body.top_logprobs or 0) if body.logprobs else None
             shown_k = None if body.stream else body.prompt_logprobs  # no stream chunk carries them (vLLM)
             params = body.choice_params(max_tokens, lp, shown_k, tool_schema=tool_use and tool_use.schema())

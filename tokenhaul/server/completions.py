@@ -42,12 +42,15 @@ class CompletionsHandler(OpenAIServing):
             scoring = body.echo and body.max_tokens == 0
             if body.max_tokens == 0 and not body.echo:
                 raise RequestError("max_tokens must be at least 1 (0 only with echo: the prompt scored alone)")
+            # left out: 16 (OpenAI's, vLLM's default); null: up to the context's end (vLLM's max_tokens=None)
+            to_end = body.max_tokens is None and "max_tokens" in body.model_fields_set
             max_tokens = 1 if scoring else body.max_tokens if body.max_tokens is not None else 16
             echo_k = body.logprobs if body.echo else None  # echo's logprobs cover the prompt too
             # vLLM's prompt_logprobs, else echo's k (its to_sampling_params); no stream chunk carries them
             shown_k = None if body.stream else body.prompt_logprobs if body.prompt_logprobs is not None else echo_k
             engine_k = max((k for k in (shown_k, echo_k) if k is not None), default=None)
-            per_prompt = [body.choice_params(max_tokens, body.logprobs, engine_k) for _ in prompts]
+            per_prompt = [body.choice_params(self.room(len(ids)) if to_end else max_tokens, body.logprobs, engine_k)
+                          for ids in prompts]
         except TokenhaulError as err:
             raise refused(e, err) from None
         params = [p for ps in per_prompt for p in ps]

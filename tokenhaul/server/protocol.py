@@ -45,7 +45,8 @@ class SamplingRequest(RequestBody):
 
     model_config = ConfigDict(strict=True, extra="allow")  # unknown fields kept (model_extra), to refuse some
     model: str | None = Field(None, description="the served model's name (default: the served model)")
-    max_tokens: int | None = None
+    max_tokens: int | None = Field(None, description="left out: 16 on completions; null (and chat's default): as "
+                                   "many as the context holds after the prompt (vLLM's)")
     temperature: float | None = None
     top_p: float | None = None
     n: int = Field(1, ge=1, le=MAX_N)

@@ -69,6 +69,12 @@ class OpenAIServing:
             self.engine.metrics.rejected.labels(reason).inc()
             raise api_error(e, prompt_param) from None
 
+    def room(self, num_prompt_tokens: int) -> int:
+        """max_tokens for "up to the context's end" (vLLM's max_tokens=None): what fits after the prompt in the context
+        and the KV pool (at least 1: a prompt too long is refused at admission, by its length)."""
+        lim = self.engine.limits
+        return max(1, min(lim.max_model_len, lim.num_blocks * lim.block_size) - num_prompt_tokens)
+
     def token_text(self, token_id: int) -> str:
         s = self._token_text.get(token_id)
         if s is None:
