@@ -7,11 +7,13 @@ the request's matcher once (engine/scheduler.py), so recompute after preemption 
 
 from __future__ import annotations
 
+import json
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING
 
 import torch
-from llguidance import LLMatcher, LLTokenizer
+from llguidance import LLMatcher, LLTokenizer, TokenizerWrapper
+from tokenizers import Tokenizer as Backend
 
 from tokenhaul.engine.request import Request
 from tokenhaul.errors import RequestError, TokenhaulError
@@ -45,10 +47,16 @@ class Grammar:
 
 
 class GrammarCompiler:
-    """Builds each constrained request's Grammar. `load` gives the tokenizer (a `tokenizers` JSON string and the
-    EOS ids); it is called, and llguidance's token table built (~0.2 s), on the first constrained request."""
+    """Builds each constrained request's Grammar over llguidance's token table (LLTokenizer), built once per
+    compiler: by `warm()` if the engine calls it, else on the first constrained request. `load` gives the
+    tokenizer: a `tokenizers.Tokenizer` (or its JSON string) and the EOS ids.
 
-    def __init__(self, load: Callable[[], tuple[str, Sequence[int]]], vocab_size: int) -> None:
+    The table is built from the token strings (_token_table: the bytes llguidance's own tokenizer.json reader
+    derives, without it parsing the whole JSON again: that took ~60% of the build on Gemma3's 262k vocabulary), and
+    llguidance tokenizes forced text with the `tokenizers` model itself (_Encode), as that reader does; tokenizers
+    the table does not read that way are handed to the reader (_json_tokenizer)."""
+
+    def __init__(self, load: Callable[[], tuple[Backend | str, Sequence[int]]], vocab_size: int) -> None:
         self._load = load
         self.vocab_size = vocab_size
         self._tokenizer: LLTokenizer | None = None
@@ -56,31 +64,43 @@ class GrammarCompiler:
     @classmethod
     def for_model(cls, model: str, vocab_size: int) -> GrammarCompiler:
         """The compiler of a catalog alias or GGUF path: its tokenizer is read on first use."""
-        def load() -> tuple[str, Sequence[int]]:
+        def load() -> tuple[Backend, Sequence[int]]:
             from tokenhaul.models.catalog import resolve
             from tokenhaul.text.tokenizer import Tokenizer
 
             files = resolve(model)
-            return _tokenizer_json(Tokenizer.from_gguf(files.gguf_path, files.cache_dir, files.name))
+            tokenizer = Tokenizer.from_gguf(files.gguf_path, files.cache_dir, files.name)
+            return tokenizer.backend, tokenizer.eos_token_ids
 
         return cls(load, vocab_size)
 
     @classmethod
     def for_tokenizer(cls, tokenizer: Tokenizer, vocab_size: int) -> GrammarCompiler:
         """The compiler over a tokenizer already loaded (LLM's): not read from the model's file again."""
-        return cls(lambda: _tokenizer_json(tokenizer), vocab_size)
+        return cls(lambda: (tokenizer.backend, tokenizer.eos_token_ids), vocab_size)
+
+    def warm(self) -> None:
+        """Build the token table now (at model load) rather than inside the first constrained request's step."""
+        self.tokenizer()
 
     def tokenizer(self) -> LLTokenizer:
         if self._tokenizer is None:
             try:
-                text, eos = self._load()
+                backend, eos = self._load()
             except TokenhaulError as e:
                 raise RequestError(f"structured outputs need the model's tokenizer: {e}") from None
-            tok = LLTokenizer(text, n_vocab=self.vocab_size, eos_token=list(eos))
-            if tok.vocab_size > self.vocab_size:
-                raise RequestError(f"structured outputs need the model's tokenizer: it has {tok.vocab_size} tokens, "
+            if isinstance(backend, str):
+                backend = Backend.from_str(backend)
+            n = backend.get_vocab_size(with_added_tokens=True)
+            if n > self.vocab_size:
+                raise RequestError(f"structured outputs need the model's tokenizer: it has {n} tokens, "
                                    f"the model {self.vocab_size}")
-            self._tokenizer = tok
+            eos = list(eos)
+            tokens = _token_table(backend, self.vocab_size) if eos else None
+            if tokens is None:  # a vocabulary _token_table does not read as llguidance would: its own reader
+                self._tokenizer = _json_tokenizer(backend, self.vocab_size, eos)
+            else:
+                self._tokenizer = LLTokenizer(_Encode(backend, eos, tokens), eos_token=eos)
         return self._tokenizer
 
     def compile(self, params: StructuredOutputsParams) -> Grammar:
@@ -92,8 +112,113 @@ class GrammarCompiler:
         return Grammar(matcher)
 
 
-def _tokenizer_json(tokenizer: Tokenizer) -> tuple[str, Sequence[int]]:
-    return tokenizer.backend.to_str(), tokenizer.eos_token_ids
+def _json_tokenizer(backend: Backend, n_vocab: int, eos: list[int]) -> LLTokenizer:
+    """llguidance's own tokenizer.json reader (toktrie_hf_tokenizers): the reference for _token_table and _Encode."""
+    return LLTokenizer(backend.to_str(), n_vocab=n_vocab, eos_token=eos)
+
+
+class _Encode(TokenizerWrapper):
+    """The tokenizer LLTokenizer takes from Python (TokenizerWrapper's attributes): the token table, EOS, and
+    `__call__` (text → ids; llguidance tokenizes forced text with it while computing masks): the `tokenizers`
+    model's encoding, as llguidance's own reader calls it (`encode(text, add_special_tokens=False)`)."""
+
+    def __init__(self, backend: Backend, eos: list[int], tokens: list[bytes]) -> None:
+        # not TokenizerWrapper.__init__, which wraps another tokenizer object: the attributes LLTokenizer reads
+        self.is_tokenizer_wrapper = True
+        self.tokens = tokens
+        self.eos_token_id = eos[0]
+        self.bos_token_id = None
+        self.special_token_ids: list[int] = []  # the table marks them itself (0xFF first)
+        self._encode = backend.encode
+
+    def __call__(self, text: str) -> list[int]:
+        return self._encode(text, add_special_tokens=False).ids
+
+
+_SPECIAL = b"\xff"  # llguidance's TokTrie::SPECIAL_TOKEN_MARKER, first byte of a special token's entry
+# GPT-2's byte-level alphabet (bytes_to_unicode) as a translate table: each character → its byte; any other
+# character below 256 → U+0100, so that encoding the result as Latin-1 fails exactly where one is outside it
+_PRINTABLE = [*range(0x21, 0x7F), *range(0xA1, 0xAD), *range(0xAE, 0x100)]
+_BYTE_LEVEL = {c: 0x100 for c in range(256)} | {c: c for c in _PRINTABLE} | {
+    0x100 + k: b for k, b in enumerate(b for b in range(256) if b not in set(_PRINTABLE))}
+_HEX = frozenset("0123456789abcdefABCDEF")
+
+
+def _decoder_kind(d: dict) -> tuple[bool, bool, str | None]:
+    """(byte fallback, byte level, the character a Replace decoder turns into " ") of a decoder's JSON."""
+    kind = d.get("type")
+    if kind == "ByteFallback":
+        return True, False, None
+    if kind == "ByteLevel":
+        return False, True, None
+    if kind == "Replace" and d.get("content") == " ":
+        pattern = (d.get("pattern") or {}).get("String")
+        return False, False, pattern if isinstance(pattern, str) and len(pattern) == 1 else None
+    fallback = level = False
+    space = None
+    for sub in d.get("decoders") or () if kind == "Sequence" else ():
+        f, lv, sp = _decoder_kind(sub)
+        fallback, level, space = fallback or f, level or lv, sp if sp is not None else space
+    return fallback, level, space
+
+
+def _encodes_as_llguidance(backend: Backend) -> bool:
+    """Whether the tokenizer encodes as llguidance's reader makes it: that drops Prepend normalizers and sets
+    Metaspace pre-tokenizers to prepend nothing (no model in the catalog has either)."""
+    def parts(obj: object) -> list[dict]:
+        if obj is None:
+            return []
+        found, todo = [], [json.loads(obj.__getstate__())]
+        while todo:
+            d = todo.pop()
+            found.append(d)
+            todo.extend(d.get("normalizers") or d.get("pretokenizers") or ())
+        return found
+
+    return not any(d.get("type") == "Prepend" for d in parts(backend.normalizer)) and all(
+        d.get("prepend_scheme") == "never" for d in parts(backend.pre_tokenizer) if d.get("type") == "Metaspace")
+
+
+def _token_table(backend: Backend, n_vocab: int) -> list[bytes] | None:
+    """Each token's bytes as llguidance's ByteTokenizer::from_tokenizer derives them from a tokenizer.json (special
+    tokens — added tokens marked special or written <...> — as 0xFF + their name), padded to n_vocab with its
+    placeholders 0xFF<[i]>; None where its derivation would fail or the vocabulary has an oddity it would stop at."""
+    if backend.decoder is None or not _encodes_as_llguidance(backend):
+        return None
+    fallback, level, space = _decoder_kind(json.loads(backend.decoder.__getstate__()))
+    if not (fallback or level):
+        return None
+    n = backend.get_vocab_size(with_added_tokens=True)
+    tokens = [b""] * n
+    specials = set()
+    for i, added in backend.get_added_tokens_decoder().items():
+        if i >= n:
+            return None
+        content = added.content
+        if added.special or (content.startswith("<") and content.endswith(">")):
+            specials.add(i)
+        else:
+            tokens[i] = content.encode()
+    space = space or " "
+    for i, name in enumerate(map(backend.id_to_token, range(n))):
+        if name is None:
+            continue
+        if i in specials:
+            tokens[i] = _SPECIAL + name.encode()
+        elif fallback:
+            if name.startswith("<0x"):
+                if not (len(name) == 6 and name.endswith(">") and name[3] in _HEX and name[4] in _HEX):
+                    return None  # llguidance asserts no other token starts so
+                tokens[i] = bytes([int(name[3:5], 16)])
+            else:
+                tokens[i] = name.replace(space, " ").encode()
+        else:
+            try:  # a character outside the alphabet: llguidance skips the token (keeps its added text, or none)
+                tokens[i] = name.translate(_BYTE_LEVEL).encode("latin-1")
+            except UnicodeEncodeError:
+                pass
+    tokens.extend(_SPECIAL + f"<[{i}]>".encode() for i in range(n, n_vocab))
+    return tokens
 
 
 def mask_logits(logits: torch.Tensor, reqs: Sequence[Request]) -> torch.Tensor:
