@@ -62,7 +62,7 @@ BAD = [
     (CMPL, {"prompt": "x", "logit_bias": {"1000000": 1}}, 400, "logit_bias", None),  # beyond the vocabulary
     (CMPL, {"prompt": []}, 400, None, None),
     (CMPL, {"prompt": "x", "stream": False, "stream_options": {"include_usage": True}}, 400, "stream_options", None),
-    (CMPL, {"prompt": ["a", "b"], "n": 40}, 400, None, None),
+    (CMPL, {"prompt": ["a", "b"], "n": 70}, 400, None, None),  # 140 choices; at most 128 a call
     (CHAT, {"messages": []}, 400, "messages", "too_short"),
     (CHAT, {"messages": "hi"}, 400, "messages", "list_type"),
     (CHAT, {"messages": [{"content": "hi"}]}, 400, "messages.0.role", "missing"),

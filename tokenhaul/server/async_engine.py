@@ -330,6 +330,9 @@ class AsyncEngine:
         n = params[0].n if params else 1
         if any(p.n != n for p in params):
             raise RequestError("the requests of one stream must share n")
+        if len(prompts) > self.max_waiting:  # never admitted: no retry helps
+            raise RequestError(f"the call makes {len(prompts)} engine requests (prompts × n), more than the server's "
+                               f"waiting queue holds ({self.max_waiting}, --max-waiting); send fewer choices per call")
         if self._num_waiting + len(prompts) > self.max_waiting:
             raise EngineOverloaded(f"server overloaded: {self._num_waiting} requests are waiting for their first "
                                    f"token (limit {self.max_waiting}); retry later")

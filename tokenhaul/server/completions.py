@@ -14,12 +14,13 @@ from fastapi.responses import JSONResponse, Response
 
 from tokenhaul.errors import RequestError, TokenhaulError
 from tokenhaul.outputs import TokenLogprob
+from tokenhaul.sampling_params import MAX_N
 from tokenhaul.server.async_engine import GenerationDelta
 from tokenhaul.server.completion_protocol import CompletionRequest
 from tokenhaul.server.errors import check_model, refused
 from tokenhaul.server.serving import REPLICA_HEADER, GatheredChoice, OpenAIServing, continuous_usage, finite
 
-MAX_CHOICES = 64  # prompts × n per call
+MAX_CHOICES = MAX_N  # prompts × n per call: one prompt may take the largest n
 # one completions logprobs row: token id, logprob (None: the prompt's first token), the k best, its bytes in the text
 _Row = tuple[int, float | None, list[tuple[int, float]] | None, bytes]
 

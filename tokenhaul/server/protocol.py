@@ -13,10 +13,9 @@ from typing import Annotated, Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from tokenhaul.errors import RequestError
-from tokenhaul.sampling_params import SamplingParams, StructuredOutputsParams
+from tokenhaul.sampling_params import MAX_N, SamplingParams, StructuredOutputsParams
 from tokenhaul.server.structured import SOURCES, structured_outputs
 
-MAX_N = 16  # choices per call
 MAX_STOP = 16  # stop strings per request
 MAX_STOP_CHARS = 256  # characters per stop string
 MAX_STOP_TOKEN_IDS = 256
@@ -49,7 +48,7 @@ class SamplingRequest(RequestBody):
                                    "many as the context holds after the prompt (vLLM's)")
     temperature: float | None = None
     top_p: float | None = None
-    n: int = Field(1, ge=1, le=MAX_N)
+    n: int = Field(1, ge=1, le=MAX_N)  # SamplingParams' cap (OpenAI's), as LLM and the CLI
     stop: StopText | Annotated[list[StopText], Field(max_length=MAX_STOP)] | None = Field(
         None, description=f"up to {MAX_STOP} strings of at most {MAX_STOP_CHARS} characters")
     seed: int | None = None
