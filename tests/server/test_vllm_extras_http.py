@@ -88,3 +88,25 @@ def test_script_more_choices_than_the_waiting_queue_is_a_400(tokenizer):
         r = c.post(srv.url + CMPL, json={"prompt": "Hi", "n": 9, "max_tokens": 2})
         assert r.status_code == 400 and "max-waiting" in r.json()["error"]["message"], r.text
         assert c.post(srv.url + CMPL, json={"prompt": "Hi", "n": 8, "max_tokens": 2}).status_code == 200
+
+
+def test_ping_and_version(tokenizer):
+    """vLLM's GET/POST /ping (a health probe: 200, 503 when the engine is down) is answered without the API key as
+    /health is; GET /version gives tokenhaul's version (behind the key, as every other route)."""
+    from importlib.metadata import version
+
+    import httpx
+    from serverkit import ServerThread, script_engine
+
+    from tokenhaul.server.app import build_app
+    from tokenhaul.server.guards import ServerOptions
+
+    engine, _ = script_engine(tokenizer)
+    with ServerThread(build_app(engine, ServerOptions(api_key="k"))) as srv, httpx.Client(timeout=30) as c:
+        for method in ("GET", "POST", "HEAD"):
+            assert c.request(method, srv.url + "/ping").status_code == 200, method
+        assert c.get(srv.url + "/version").status_code == 401
+        r = c.get(srv.url + "/version", headers={"Authorization": "Bearer k"})
+        assert r.status_code == 200 and r.json() == {"version": version("tokenhaul")}, r.text
+        engine.client.core_thread.shutdown()
+        assert c.get(srv.url + "/ping").status_code == 503

@@ -1,10 +1,11 @@
-"""The HTTP face: the FastAPI app — OpenAI routes (completions, chat, models), vLLM's /tokenize and
-/detokenize, /health, /metrics, and the error handlers that turn every refusal into an OpenAI error body."""
+"""The HTTP face: the FastAPI app — OpenAI routes (completions, chat, models), vLLM's /tokenize, /detokenize,
+/ping and /version, /health, /metrics, and the error handlers that turn every refusal into an OpenAI error body."""
 
 from __future__ import annotations
 
 import asyncio
 import dataclasses
+import importlib.metadata
 import json
 import logging
 import signal
@@ -48,6 +49,16 @@ _ERRORS: dict[int | str, dict[str, Any]] = {
     503: {"model": ErrorResponse, "description": "Engine not running"},
 }
 log = logging.getLogger("tokenhaul.server")
+
+
+def _version() -> str:
+    try:
+        return importlib.metadata.version("tokenhaul")
+    except importlib.metadata.PackageNotFoundError:  # run from a source tree that is not installed
+        return "0.0.0+unknown"
+
+
+VERSION = _version()  # GET /version (vLLM's) and the OpenAPI document's
 
 
 class _OffLoopJSONRequest(Request):
@@ -105,7 +116,7 @@ def build_app(engine: AsyncEngine, options: ServerOptions | None = None, manage_
                 await engine.shutdown()
 
     docs = {} if options.docs else {"docs_url": None, "redoc_url": None, "openapi_url": None}
-    app = FastAPI(title="tokenhaul", version="0.1.0", lifespan=lifespan, **docs,
+    app = FastAPI(title="tokenhaul", version=VERSION, lifespan=lifespan, **docs,
                   description="OpenAI-compatible completions and chat over the tokenhaul engine.")
     app.router.route_class = _Route
     app.state.engine = engine
@@ -136,15 +147,30 @@ def build_app(engine: AsyncEngine, options: ServerOptions | None = None, manage_
     async def _gone(request: Request, exc: ClientGone) -> Response:
         return Response(status_code=499)  # nobody reads it: the client has gone
 
+    def check_healthy() -> None:
+        if not engine.healthy:
+            raise APIError(503, "the engine is not running", "service_unavailable", code="engine_unavailable")
+
     @app.api_route("/health", methods=["GET", "HEAD"], responses={503: _ERRORS[503]})
     async def health() -> dict[str, Any]:
         """200 while some replica takes requests, with each replica's state; 503 when none does (HEAD: no body)."""
-        if not engine.healthy:
-            raise APIError(503, "the engine is not running", "service_unavailable", code="engine_unavailable")
+        check_healthy()
         reps = {r.name: {"status": "ok" if r.up else "down", "where": r.where, "running": r.stats.num_running,
                          "waiting": r.stats.num_waiting, "kv_blocks_used": r.stats.kv_blocks_used,
                          "kv_blocks_total": r.stats.kv_blocks_total} for r in engine.client.replicas()}
         return {"status": "ok", "replicas": reps}
+
+    @app.api_route("/ping", methods=["GET", "POST", "HEAD"], response_class=Response,
+                   responses={200: {"description": "the engine takes requests (no body)"}, 503: _ERRORS[503]})
+    async def ping() -> Response:
+        """vLLM's (SageMaker's) health probe: 200 with no body while the engine takes requests, else 503."""
+        check_healthy()
+        return Response(status_code=200)
+
+    @app.get("/version")
+    async def version() -> dict[str, str]:
+        """vLLM's: the server's version (tokenhaul's)."""
+        return {"version": VERSION}
 
     @app.api_route("/metrics", methods=["GET", "HEAD"], response_class=Response,
              responses={200: {"content": {"text/plain": {"schema": {"type": "string"}}}}})

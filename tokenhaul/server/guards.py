@@ -22,7 +22,7 @@ Receive = Callable[[], Awaitable[Message]]
 Send = Callable[[Message], Awaitable[None]]
 ASGIApp = Callable[[Scope, Receive, Send], Awaitable[None]]
 
-OPEN_PATHS = frozenset({"/health"})  # answered without an API key (liveness probes)
+OPEN_PATHS = frozenset({"/health", "/ping"})  # answered without an API key (liveness probes; /ping is vLLM's)
 LOOPBACK_HOSTS = ("localhost", "127.0.0.1", "::1")
 
 
