@@ -150,6 +150,23 @@ def test_prefix_cache_computes_only_unshared_tokens(tiny_core):
     assert counter.tokens["b"] == 3 + (GREEDY.max_tokens - 1)
 
 
+@pytest.mark.parametrize("itl_target_ms", [0.0, 50.0])
+def test_requests_sharing_a_prompt_prefix_compute_it_once(tiny_core, itl_target_ms):
+    """Requests arriving together with one prefix (n samples of a prompt, a shared system prompt): the first
+    computes the shared blocks, the others wait for them in the prefix cache instead of computing them beside
+    it; each output is the one it gets alone."""
+    shared = prompts(1, length=30)[0]
+    tails = [[5, 6], [7, 8, 9], [5, 6], [11]]
+    kw = {"block_size": 4, "max_num_batched_tokens": 64, "itl_target_ms": itl_target_ms}
+    alone = [run(tiny_core(**kw), [shared + t])[0] for t in tails]
+    core = tiny_core(**kw)
+    core.observer = counter = ChunkCounter()
+    assert run(core, [shared + t for t in tails]) == alone
+    computed = sum(counter.tokens.values()) - 4 * (GREEDY.max_tokens - 1)  # prompt positions computed
+    assert computed == 32 + 5 + 4 + 3  # "r0" whole; the others past the 7 blocks (28 tokens) it cached
+    assert core.prefix_cache.hit_tokens >= 3 * 28
+
+
 def test_priority_runs_first(tiny_core):
     core = tiny_core(max_num_seqs=1)
     core.add_request("low", prompts(1)[0], GREEDY, priority=5)
@@ -177,3 +194,12 @@ def test_stop_reason_is_the_stop_token_id(tiny_core):
     assert d.finish_reason == "stop" and d.stop_reason is None  # EOS is checked first, as vLLM
     d = last_delta(SamplingParams(max_tokens=3, temperature=0))
     assert d.finish_reason == "length" and d.stop_reason is None
+
+
+def test_a_request_ending_at_its_prefill_leaves_its_prompt_in_the_prefix_cache(tiny_core):
+    """max_tokens=1 (a TTFT probe, a classification, prompt scoring): the prompt's blocks are cached all the same."""
+    core = tiny_core(block_size=4)
+    shared = prompts(1, length=20)[0]
+    run(core, [shared + [5]], SamplingParams(max_tokens=1, temperature=0))
+    run(core, [shared + [6, 7]])
+    assert core.prefix_cache.hit_tokens == 20

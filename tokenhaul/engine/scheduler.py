@@ -138,8 +138,13 @@ class Scheduler:
             out.chunks.append(chunk(req, n))
             budget -= n
             i += 1
-        while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs and not out.preempted:
-            req = self.waiting[0]
+        i = 0
+        while i < len(self.waiting) and budget > 0 and len(self.running) < self.config.max_num_seqs \
+                and not out.preempted:
+            req = self.waiting[i]
+            if self._prefix_in_flight(req, out):
+                i += 1
+                continue
             computed = self.kv.match(req, req.needs_prompt_logprobs)
             if req.num_preemptions == 0:
                 req.num_cached_tokens = computed
@@ -149,7 +154,7 @@ class Scheduler:
                 self.kv.free(req)
                 break
             out.block_copies += copies
-            self.waiting.pop(0)
+            self.waiting.pop(i)
             req.status = Status.RUNNING
             self.running.append(req)
             out.chunks.append(chunk(req, n))
@@ -185,6 +190,8 @@ class Scheduler:
                 break
             waiting = req.status is Status.WAITING
             if waiting and not (admit and not out.preempted and len(self.running) < cfg.max_num_seqs):
+                continue
+            if waiting and self._prefix_in_flight(req, out):
                 continue
             if not waiting and req.status is not Status.RUNNING:
                 continue
@@ -251,6 +258,7 @@ class Scheduler:
                 if reason is not None:
                     break
             if reason is not None:
+                self.kv.commit(req)  # its computed blocks serve later prompts, also when it ends at its prefill
                 self.running.remove(req)
                 self._finish(req, reason)
                 finished.append(req)
@@ -261,6 +269,23 @@ class Scheduler:
         return finished
 
     # helpers -----------------------------------------------------------------------------
+    def _prefix_in_flight(self, req: Request, out: SchedulerOutput) -> bool:
+        """Whether a chunk of this step completes a full block of `req`'s prompt prefix (same tokens up to and
+        through that block): then `req` waits a step and takes those blocks from the prefix cache instead of
+        computing them beside it (n samples of one prompt, a shared system prompt arriving together; SGLang
+        holds such requests back too)."""
+        if not self.kv.prefix_cache.enabled or req.needs_prompt_logprobs:
+            return False
+        bs, n = self.kv.block_size, req.num_tokens
+        for c in out.chunks:
+            end = (c.start // bs + 1) * bs  # the first block this chunk fills ends here
+            other = c.request
+            if end <= min(c.start + c.num_tokens, other.num_tokens, n - 1) \
+                    and req.token_slice(end - 1, end) == other.token_slice(end - 1, end) \
+                    and req.token_slice(0, end) == other.token_slice(0, end):  # cheap test first
+                return True
+        return False
+
     def _stop_reason(self, req: Request, tok: int) -> str | None:
         p = req.params
         if not p.ignore_eos and tok in req.eos_token_ids:
