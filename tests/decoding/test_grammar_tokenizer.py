@@ -10,6 +10,7 @@ from tokenizers import AddedToken, Tokenizer, decoders, models, normalizers, pre
 
 from tokenhaul.decoding import grammar
 from tokenhaul.decoding.grammar import GrammarCompiler, _json_tokenizer, _token_table
+from tokenhaul.errors import RequestError
 from tokenhaul.structured_outputs import StructuredOutputsParams
 
 SCHEMA = {"type": "object", "additionalProperties": False, "required": ["name", "age", "tags"],
@@ -152,3 +153,15 @@ def test_a_tokenizer_llguidance_would_change_takes_its_reader():
     compiler = GrammarCompiler(lambda: (backend, [2]), 300)
     assert compiler.tokenizer().tokenize_str(" ab") == _json_tokenizer(backend, 300, [2]).tokenize_str(" ab")
     compiler.compile(StructuredOutputsParams(choice=["ab", "c"]))
+
+
+@pytest.mark.parametrize("change, words", [("decoder", "can't determine decoder type"), ("vocab", "it has 272 tokens, the model 100")])
+def test_a_tokenizer_llguidance_cannot_take_refuses_requests_not_the_load(change, words):
+    backend = byte_fallback_tokenizer()
+    if change == "decoder":
+        backend.decoder = decoders.WordPiece()
+    compiler = GrammarCompiler(lambda: (backend, [2]), 100 if change == "vocab" else 300)
+    compiler.warm()  # at model load: no error
+    with pytest.raises(RequestError, match=f"^structured outputs need the model's tokenizer: .*{words}") as e:
+        compiler.compile(StructuredOutputsParams(choice=["ab"]))
+    assert "\n" not in str(e.value)

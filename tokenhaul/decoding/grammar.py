@@ -80,36 +80,44 @@ class GrammarCompiler:
         return cls(lambda: (tokenizer.backend, tokenizer.eos_token_ids), vocab_size)
 
     def warm(self) -> None:
-        """Build the token table now (at model load) rather than inside the first constrained request's step."""
-        self.tokenizer()
+        """Build the token table now (at model load) rather than inside the first constrained request's step. A
+        tokenizer llguidance cannot take does not stop the load: constrained requests are refused with the reason."""
+        try:
+            self.tokenizer()
+        except RequestError:
+            pass
 
     def tokenizer(self) -> LLTokenizer:
         if self._tokenizer is None:
             try:
-                backend, eos = self._load()
-            except TokenhaulError as e:
-                raise RequestError(f"structured outputs need the model's tokenizer: {e}") from None
-            if isinstance(backend, str):
-                backend = Backend.from_str(backend)
-            n = backend.get_vocab_size(with_added_tokens=True)
-            if n > self.vocab_size:
-                raise RequestError(f"structured outputs need the model's tokenizer: it has {n} tokens, "
-                                   f"the model {self.vocab_size}")
-            eos = list(eos)
-            tokens = _token_table(backend, self.vocab_size) if eos else None
-            if tokens is None:  # a vocabulary _token_table does not read as llguidance would: its own reader
-                self._tokenizer = _json_tokenizer(backend, self.vocab_size, eos)
-            else:
-                self._tokenizer = LLTokenizer(_Encode(backend, eos, tokens), eos_token=eos)
+                self._tokenizer = self._build()
+            except (TokenhaulError, ValueError) as e:  # llguidance: ValueError
+                raise RequestError(f"structured outputs need the model's tokenizer: {_one_line(str(e))}") from None
         return self._tokenizer
+
+    def _build(self) -> LLTokenizer:
+        backend, eos = self._load()
+        if isinstance(backend, str):
+            backend = Backend.from_str(backend)
+        n = backend.get_vocab_size(with_added_tokens=True)
+        if n > self.vocab_size:
+            raise ValueError(f"it has {n} tokens, the model {self.vocab_size}")
+        eos = list(eos)
+        tokens = _token_table(backend, self.vocab_size) if eos else None
+        if tokens is None:  # a vocabulary _token_table does not read as llguidance would: its own reader
+            return _json_tokenizer(backend, self.vocab_size, eos)
+        return LLTokenizer(_Encode(backend, eos, tokens), eos_token=eos)
 
     def compile(self, params: StructuredOutputsParams) -> Grammar:
         """A fresh matcher for one request; raises RequestError (one line) if the grammar does not compile."""
         matcher = LLMatcher(self.tokenizer(), params.spec, log_level=0)
         if matcher.is_error():
-            raise RequestError(f"structured_outputs.{params.kind} is invalid: "
-                               f"{' '.join(matcher.get_error().split())[:300]}")
+            raise RequestError(f"structured_outputs.{params.kind} is invalid: {_one_line(matcher.get_error())}")
         return Grammar(matcher)
+
+
+def _one_line(msg: str) -> str:
+    return " ".join(msg.split())[:300]
 
 
 def _json_tokenizer(backend: Backend, n_vocab: int, eos: list[int]) -> LLTokenizer:
