@@ -155,7 +155,8 @@ def test_a_tokenizer_llguidance_would_change_takes_its_reader():
     compiler.compile(StructuredOutputsParams(choice=["ab", "c"]))
 
 
-@pytest.mark.parametrize("change, words", [("decoder", "can't determine decoder type"), ("vocab", "it has 272 tokens, the model 100")])
+@pytest.mark.parametrize("change, words", [("decoder", "can't determine decoder type"),
+                                           ("vocab", "it has 272 tokens, the model 100")])
 def test_a_tokenizer_llguidance_cannot_take_refuses_requests_not_the_load(change, words):
     backend = byte_fallback_tokenizer()
     if change == "decoder":

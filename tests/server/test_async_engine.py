@@ -167,3 +167,18 @@ def test_dead_core_thread_fails_requests_instead_of_hanging(tokenizer):
         assert "simulated crash" not in r.text
         assert c.get(srv.url + "/health").status_code == 503
         assert c.post(srv.url + "/v1/completions", json={"prompt": "Hi"}).status_code == 503
+
+
+def test_serve_builds_the_grammar_token_table_at_load(monkeypatch):
+    """llguidance's token table is built when serve loads the model, not in the first constrained request's step
+    (where it stalled every stream: ~0.2 s on SmolLM2, ~2.5 s on Gemma3)."""
+    from tokenhaul.decoding.grammar import GrammarCompiler
+    from tokenhaul.models.catalog import is_installed
+    from tokenhaul.server.async_engine import AsyncEngine
+
+    if not is_installed("smollm2-135m"):
+        pytest.skip("model smollm2-135m not installed")
+    built = []
+    monkeypatch.setattr(GrammarCompiler, "warm", lambda self: built.append(self))
+    AsyncEngine.from_model("smollm2-135m", num_kv_blocks=16, compile="off")
+    assert len(built) == 1

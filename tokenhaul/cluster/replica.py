@@ -55,6 +55,7 @@ class EngineReplica:
 
         try:
             llm = LLM(self._model, **self._kwargs)  # as `tokenhaul serve` loads it: same quantization, draft, ...
+            llm.prepare_structured_outputs()
             core = llm.core
             self._ledger = core.observer = CoreLedger(llm.costs)
             self._limits = core.limits()

@@ -211,6 +211,7 @@ class AsyncEngine:
         from tokenhaul.llm import LLM
 
         llm = LLM(model, **engine_kwargs)
+        llm.prepare_structured_outputs()  # not inside the first constrained request's step
         return cls(InProcessClient(llm.core, CoreLedger(llm.costs)), llm.tokenizer, served_model_name or model,
                    max_waiting, max_prompt_chars, request_timeout)
 
