@@ -1,0 +1,33 @@
+"""tokenhaul command line: generate | chat | models | serve | bench serve | trace | calibrate | whatif."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+from tokenhaul.cli import bench, calibrate, eval_ppl, generate, models, serve, trace, whatif
+from tokenhaul.cli.args import add_engine_args, add_sampling_args, engine_kwargs, sampling_params
+from tokenhaul.cli.generate import options_line
+from tokenhaul.errors import TokenhaulError
+
+__all__ = ["add_engine_args", "add_sampling_args", "build_parser", "engine_kwargs", "main", "options_line",
+           "sampling_params"]
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="tokenhaul", description=__doc__)
+    sub = parser.add_subparsers(dest="command", required=True)
+    for command in (generate, models, serve, bench, trace, whatif, eval_ppl, calibrate):  # the order --help lists
+        command.add_parsers(sub)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = build_parser().parse_args(argv)
+    try:
+        args.func(args)
+    except TokenhaulError as e:
+        print(f"error: {e}", file=sys.stderr)
+        sys.exit(2)
+    except KeyboardInterrupt:
+        sys.exit(130)

@@ -1,0 +1,5 @@
+"""`python -m tokenhaul.cli`, as the `tokenhaul` command."""
+
+from tokenhaul.cli import main
+
+main()

@@ -1,0 +1,50 @@
+"""`eval ppl`: perplexity with sliding windows over the shipped corpus or a file."""
+
+from __future__ import annotations
+
+import argparse
+import json
+
+from tokenhaul.cli.args import add_engine_args, engine_kwargs
+from tokenhaul.errors import TokenhaulError
+
+
+def add_parsers(sub: argparse._SubParsersAction) -> None:
+    e = sub.add_parser("eval", help="quality: `eval ppl` (perplexity over the shipped corpus or a file)")
+    esub = e.add_subparsers(dest="eval_command", required=True)
+    ep = esub.add_parser("ppl", help="perplexity with sliding windows (English, Chinese and code corpus)")
+    add_engine_args(ep)
+    ep.add_argument("--corpus", default=None, help="a UTF-8 text file (default: the shipped corpus)")
+    ep.add_argument("--max-tokens", type=int, default=None, help="cap on scored tokens (split across parts)")
+    ep.add_argument("--window", type=int, default=512, help="context window per chunk")
+    ep.add_argument("--stride", type=int, default=256, help="tokens between window starts")
+    ep.add_argument("--decode-tail", type=int, default=0,
+                    help="each window's last N tokens enter as one-token decode steps (generation's path: the decode "
+                         "attention kernel reading the KV cache, the compiled step), the rest as one prefill chunk")
+    ep.add_argument("--json", action="store_true", help="print one JSON object")
+    ep.set_defaults(func=cmd_eval_ppl)
+
+
+def cmd_eval_ppl(args: argparse.Namespace) -> None:
+    from tokenhaul.eval.perplexity import evaluate
+    from tokenhaul.llm import LLM
+
+    if args.window < 2 or not 0 < args.stride <= args.window:
+        raise TokenhaulError("--window must be >= 2 and 0 < --stride <= --window")
+    if args.max_tokens is not None and args.max_tokens < 2:
+        raise TokenhaulError("--max-tokens must be >= 2")
+    if not 0 <= args.decode_tail < args.window:
+        raise TokenhaulError("--decode-tail must be >= 0 and < --window")
+    kw = engine_kwargs(args) | {"max_num_batched_tokens": max(args.window, args.max_num_batched_tokens),
+                                "enable_prefix_caching": False}
+    llm = LLM(args.model, **kw)
+    res = {"model": llm.files.name, "quantization": args.quantization, "dtype": args.dtype, "kv_dtype": args.kv_dtype,
+           "decode_tail": args.decode_tail,
+           **evaluate(llm, args.corpus, args.max_tokens, args.window, args.stride, args.decode_tail)}
+    if args.json:
+        print(json.dumps(res))
+        return
+    parts = ", ".join(f"{k} {v['perplexity']:.3f} ({v['tokens']} tokens)" for k, v in res["parts"].items())
+    tail = f", last {args.decode_tail} of each window decoded" if args.decode_tail else ""
+    print(f"{res['model']} {args.quantization} {args.dtype} kv {args.kv_dtype}{tail}: perplexity "
+          f"{res['perplexity']:.4f} over {res['tokens']} tokens [{parts}] in {res['seconds']:.1f} s")

@@ -1,0 +1,90 @@
+"""`trace`: a run's Perfetto trace, HTML ledger report and step records, or a running server's ledger."""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+from pathlib import Path
+
+from tokenhaul.cli.args import add_engine_args, add_sampling_args, engine_kwargs, sampling_params
+from tokenhaul.cli.generate import options_line
+from tokenhaul.errors import TokenhaulError
+from tokenhaul.sampling_params import SamplingParams
+
+
+def add_parsers(sub: argparse._SubParsersAction) -> None:
+    t = sub.add_parser("trace", help="run prompts, write a Perfetto trace and an HTML ledger report")
+    add_engine_args(t)
+    add_sampling_args(t)
+    t.add_argument("--prompt", action="append", help="repeat for several prompts")
+    t.add_argument("--url", default=None, help="instead: save a running server's ledger (all its replicas)")
+    t.add_argument("--concurrency", type=int, default=1, help="requests run together (prompts cycle)")
+    t.add_argument("--chat", action="store_true", help="apply the model's chat template")
+    t.add_argument("--out", required=True, help="directory for trace.json and report.html")
+    t.set_defaults(func=cmd_trace)
+
+
+def cmd_trace(args: argparse.Namespace) -> None:
+    if args.url:
+        return trace_server(args.url, Path(args.out))
+    if not args.prompt:
+        raise TokenhaulError("trace needs --prompt (or --url of a running server)")
+    if args.concurrency < 1:
+        raise TokenhaulError(f"--concurrency must be at least 1, got {args.concurrency}")
+    from tokenhaul.ledger.perfetto import write_trace
+    from tokenhaul.ledger.report import text_report, write_report
+    from tokenhaul.llm import LLM
+    from tokenhaul.whatif.calibrate import machine_roofline
+
+    params = sampling_params(args)
+    llm = LLM(args.model, **engine_kwargs(args))
+    roof = machine_roofline(llm.costs.device)  # measured now if missing, not inside the traced run
+    llm.generate("Warm up.", SamplingParams(max_tokens=2))  # first-call costs stay out of the trace
+    prompts = [args.prompt[i % len(args.prompt)] for i in range(args.concurrency)]
+    if args.chat:
+        outs = llm.chat([[{"role": "user", "content": p}] for p in prompts], params)
+    else:
+        outs = llm.generate(prompts, params)
+    ledger = outs[0].ledger
+    out = Path(args.out)
+    trace = write_trace(ledger, out / "trace.json")
+    title = f"tokenhaul ledger: {options_line(llm)}, {args.concurrency} concurrent"
+    report = write_report(ledger, out / "report.html", roof, title)
+    steps = out / "steps.jsonl"
+    with steps.open("w") as f:  # the step records, so the run can be replayed through the what-if model
+        for s in ledger.steps:
+            f.write(json.dumps(dataclasses.asdict(s.record)) + "\n")
+    print(f"options: {options_line(llm)}")
+    print(text_report(ledger, roof))
+    print(f"\ntrace:  {trace}  (open in https://ui.perfetto.dev)\nreport: {report}\nsteps:  {steps}")
+
+
+def trace_server(url: str, out: Path) -> None:
+    """A running server's ledger, every replica's: steps.jsonl (each record names its replica; replay
+    it with `whatif --replay`) and ledger.json (totals, prefix-miss cost, routing)."""
+    import httpx
+
+    try:
+        r = httpx.get(url.rstrip("/") + "/ledger", params={"since": -1}, timeout=60)
+    except httpx.HTTPError as e:
+        raise TokenhaulError(f"cannot reach {url}: {e}") from None
+    if r.status_code != 200:
+        raise TokenhaulError(f"{url}/ledger answered HTTP {r.status_code}: {r.text[:200]}")
+    led = r.json()
+    out.mkdir(parents=True, exist_ok=True)
+    with (out / "steps.jsonl").open("w") as f:
+        for snap in led["replicas"].values():
+            for rec in snap.pop("step_records"):
+                f.write(json.dumps(rec) + "\n")
+    (out / "ledger.json").write_text(json.dumps(led, indent=2))
+    for name, s in led["replicas"].items():
+        miss = s["prefix_miss"]
+        print(f"replica {name} ({s.get('where', 'in-process')}): {s['steps']} steps | prompt "
+              f"{s['prompt_tokens_computed']} tok computed @ {s['prefill_tokens_per_s']:.0f} tok/s | decode "
+              f"{s['generated_tokens']} tok @ {s['decode_tokens_per_s']:.1f} tok/s | TTFT p50 "
+              f"{s['ttft_ms']['p50']:.0f} ms (core side) | prefix misses {miss['tokens']} tok = "
+              f"{miss['kv_bytes'] / 1e6:.1f} MB KV, {miss['bytes_moved'] / 1e9:.2f} GB moved")
+    if led["routing"]:
+        print("routing: " + " ".join(f"{k} {v}" for k, v in led["routing"].items()))
+    print(f"steps:  {out / 'steps.jsonl'}\nledger: {out / 'ledger.json'}")
