@@ -107,7 +107,10 @@ BAD = [
     (CMPL, {"prompt": "x", "prompt_logprobs": 2.0}, 400, "prompt_logprobs", "int_type"),
     (CMPL, {"prompt": "x", "prompt_logprobs": [1]}, 400, "prompt_logprobs", "int_type"),
     (CMPL, {"prompt": "x", "prompt_logprobs": 2, "stream": True}, 400, "prompt_logprobs", None),
-    (CMPL, {"prompt": "x", "truncate_prompt_tokens": 10}, 400, "truncate_prompt_tokens", None),
+    (CMPL, {"prompt": "x", "truncate_prompt_tokens": 0}, 400, "truncate_prompt_tokens", None),
+    (CMPL, {"prompt": "x", "bad_words": ["no"] * 1025}, 400, "bad_words", "too_long"),
+    (CHAT, {"messages": USER, "bad_words": ["no"], "use_beam_search": True}, 400, None, None),
+    (CMPL, {"prompt": "x", "guided_whitespace_pattern": " "}, 400, "guided_whitespace_pattern", None),
     (CHAT, {"messages": USER, "response_format": {"type": "structural_tag"}}, 400, "response_format", None),
     (CHAT, {"messages": USER, "response_format": {"type": "json_object"}, "guided_regex": "a"}, 400, None, None),
     (CHAT, {"messages": USER, "tools": [{"type": "function", "function": {"name": "f"}}]}, 400, None, None),  # auto

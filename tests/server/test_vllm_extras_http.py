@@ -3,6 +3,10 @@
 
 from __future__ import annotations
 
+import json
+
+import pytest
+
 CMPL = "/v1/completions"
 CHAT = "/v1/chat/completions"
 USER = [{"role": "user", "content": "x"}]
@@ -110,3 +114,91 @@ def test_ping_and_version(tokenizer):
         assert r.status_code == 200 and r.json() == {"version": version("tokenhaul")}, r.text
         engine.client.core_thread.shutdown()
         assert c.get(srv.url + "/ping").status_code == 503
+
+
+PROMPT = "The capital of France is"
+
+
+def sse(client, url: str, body: dict) -> list[dict]:
+    with client.stream("POST", url, json=body | {"stream": True}) as r:
+        assert r.status_code == 200, r.read()
+        data = [ln[len("data: "):] for ln in r.iter_lines() if ln.startswith("data: ")]
+    assert data[-1] == "[DONE]"
+    return [json.loads(d) for d in data[:-1]]
+
+
+def greedy(client, url: str, body: dict) -> dict:
+    r = client.post(url, json={"max_tokens": 8, "temperature": 0} | body)
+    assert r.status_code == 200, r.text
+    return r.json()
+
+
+@pytest.mark.real_model
+def test_real_bad_words_ban_what_smollm_writes(real_server, client):
+    """vLLM's bad_words: a word SmolLM2 writes greedily is never written once banned, on completions and chat
+    (streamed too), n > 1 alike."""
+    url = real_server[0]
+    text = greedy(client, url + CMPL, {"prompt": PROMPT})["choices"][0]["text"]
+    word = next(w.strip(".,") for w in text.split() if len(w.strip(".,")) > 2)
+    assert word in text
+    banned = greedy(client, url + CMPL, {"prompt": PROMPT, "bad_words": [word], "n": 2})
+    for c in banned["choices"]:
+        assert word not in c["text"] and c["text"], c
+    chunks = sse(client, url + CMPL, {"prompt": PROMPT, "bad_words": [word], "max_tokens": 8, "temperature": 0})
+    assert "".join(c["text"] for ch in chunks for c in ch["choices"]) == banned["choices"][0]["text"]
+    msgs = [{"role": "user", "content": "What is the capital of France? Answer in one word."}]
+    said = greedy(client, url + CHAT, {"messages": msgs})["choices"][0]["message"]["content"]
+    word = next(w.strip(".,!") for w in said.split() if len(w.strip(".,!")) > 2)
+    said = greedy(client, url + CHAT, {"messages": msgs, "bad_words": [word]})["choices"][0]["message"]["content"]
+    assert word not in said and said
+
+
+@pytest.mark.real_model
+def test_real_allowed_token_ids_restrict_every_token(real_server, client, tokenizer):
+    """vLLM's allowed_token_ids: every generated token is one of them (sampled too); an id outside the vocabulary
+    is a 400 naming the field, before anything runs."""
+    url, engine = real_server
+    allowed = sorted(set(tokenizer.encode(" the cat sat on a mat and", add_special_tokens=False)))
+    shown = {tokenizer.decode([t], skip_special_tokens=False) for t in allowed}
+    for body in ({"temperature": 0}, {"temperature": 1.5, "seed": 4, "n": 3}):
+        r = greedy(client, url + CMPL, {"prompt": PROMPT, "allowed_token_ids": allowed, "logprobs": 0,
+                                        "ignore_eos": True} | body)
+        for c in r["choices"]:
+            assert len(c["logprobs"]["tokens"]) == 8 and set(c["logprobs"]["tokens"]) <= shown, c
+    r = greedy(client, url + CHAT, {"messages": USER, "allowed_token_ids": allowed, "logprobs": True,
+                                    "ignore_eos": True})
+    assert {e["token"] for e in r["choices"][0]["logprobs"]["content"]} <= shown
+    for path, body in ((CMPL, {"prompt": PROMPT}), (CHAT, {"messages": USER})):
+        for bad in ([engine.limits.vocab_size], [-1], []):
+            r = client.post(url + path, json=body | {"allowed_token_ids": bad})
+            assert r.status_code == 400 and r.json()["error"]["param"] == "allowed_token_ids", r.text
+    assert engine.num_unfinished == 0
+
+
+@pytest.mark.real_model
+def test_real_truncate_prompt_tokens_runs_the_last_k(real_server, client, tokenizer):
+    """vLLM's truncate_prompt_tokens: the same output as sending the prompt's last k token ids (completions: a text
+    prompt or ids; chat: of the rendered prompt), usage counting k prompt tokens; echo shows what was run."""
+    url = real_server[0]
+    ids = tokenizer.encode("Some words first, then: " + PROMPT)
+    want = greedy(client, url + CMPL, {"prompt": ids[-6:]})
+    for prompt in ("Some words first, then: " + PROMPT, ids):
+        got = greedy(client, url + CMPL, {"prompt": prompt, "truncate_prompt_tokens": 6})
+        assert got["choices"][0]["text"] == want["choices"][0]["text"] and got["usage"] == want["usage"]
+        assert got["usage"]["prompt_tokens"] == 6
+    echo = greedy(client, url + CMPL, {"prompt": "Some words first, then: " + PROMPT, "truncate_prompt_tokens": 6,
+                                       "echo": True, "logprobs": 0})
+    c = echo["choices"][0]
+    assert c["text"] == tokenizer.decode(ids[-6:]) + want["choices"][0]["text"]
+    assert len(c["logprobs"]["tokens"]) == 6 + 8 and c["logprobs"]["text_offset"][6] == len(tokenizer.decode(ids[-6:]))
+    msgs = [{"role": "user", "content": "Tell me about Paris."}]
+    rendered = client.post(url + "/tokenize", json={"messages": msgs}).json()["tokens"]
+    want = greedy(client, url + CMPL, {"prompt": rendered[-9:]})
+    got = greedy(client, url + CHAT, {"messages": msgs, "truncate_prompt_tokens": 9})
+    assert got["choices"][0]["message"]["content"] == want["choices"][0]["text"]
+    assert got["usage"] == want["usage"] and got["usage"]["prompt_tokens"] == 9
+    whole = greedy(client, url + CMPL, {"prompt": PROMPT})
+    got = greedy(client, url + CMPL, {"prompt": PROMPT, "truncate_prompt_tokens": -1})  # -1: the context's length
+    assert (got["choices"], got["usage"]) == (whole["choices"], whole["usage"])
+    r = client.post(url + CMPL, json={"prompt": PROMPT, "truncate_prompt_tokens": 0})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "truncate_prompt_tokens", r.text

@@ -40,12 +40,14 @@ class ChatHandler(OpenAIServing):
             kwargs = with_tools(body.chat_template_kwargs, None if tool_use is None else tool_use.tools)
             prompt = await e.encode_chat(messages, body.add_generation_prompt, body.continue_final_message,
                                          template_kwargs=kwargs)
+            prompt = self.truncate(body, prompt)  # vLLM's truncate_prompt_tokens: of the rendered prompt
             max_tokens = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
             if max_tokens is None:  # null or left out (vLLM's default): up to the context's end
                 max_tokens = self.room(len(prompt))
             lp = (body.top_logprobs or 0) if body.logprobs else None
             shown_k = None if body.stream else body.prompt_logprobs  # no stream chunk carries them (vLLM)
             params = body.choice_params(max_tokens, lp, shown_k, tool_schema=tool_use and tool_use.schema())
+            await self.tokenize_bad_words(params)
         except TokenhaulError as err:
             raise refused(e, err, "messages") from None
         rid = f"chatcmpl-{uuid.uuid4().hex}"

@@ -37,7 +37,10 @@ class CompletionsHandler(OpenAIServing):
             if batch * body.n > MAX_CHOICES:
                 raise RequestError(f"n × prompts is {batch * body.n}; at most {MAX_CHOICES} per call")
             prompts = await self._completion_prompts(body.prompt)
-            echoes = await self._echo_texts(body, prompts) if body.echo else None
+            kept = [self.truncate(body, ids) for ids in prompts]  # vLLM's truncate_prompt_tokens
+            whole = [len(k) == len(ids) for k, ids in zip(kept, prompts)]
+            prompts = kept
+            echoes = await self._echo_texts(body, prompts, whole) if body.echo else None
             # echo with max_tokens 0 scores the prompt (OpenAI's, vLLM's echo without generation): the engine runs
             # one token, and the choices hold the prompt alone, its logprobs with logprobs
             scoring = body.echo and body.max_tokens == 0
@@ -52,6 +55,7 @@ class CompletionsHandler(OpenAIServing):
             engine_k = max((k for k in (shown_k, echo_k) if k is not None), default=None)
             per_prompt = [body.choice_params(self.room(len(ids)) if to_end else max_tokens, body.logprobs, engine_k)
                           for ids in prompts]
+            await self.tokenize_bad_words([p for ps in per_prompt for p in ps])
         except TokenhaulError as err:
             raise refused(e, err) from None
         params = [p for ps in per_prompt for p in ps]
@@ -65,7 +69,7 @@ class CompletionsHandler(OpenAIServing):
         k = body.logprobs or 0
         offsets = _TextOffsets(num_choices)
         out_tokens = [0] * num_choices
-        shown = [self._echoed_bytes(body, ids) for ids in prompts] if echo_k is not None else []
+        shown = [self._echoed_bytes(body, ids, w) for ids, w in zip(prompts, whole)] if echo_k is not None else []
 
         def echo_rows(i: int, prompt_lps: list[TokenLogprob | None] | None) -> list[_Row]:
             """Choice i's prompt tokens as logprobs rows (no logprobs if none came: the request ended first)."""
@@ -143,15 +147,14 @@ class CompletionsHandler(OpenAIServing):
                                   "stop_reason": None} for i in range(num_choices)]}]
         return self.sse(stream, frames, tail, head, usage if continuous_usage(body.stream_options) else None)
 
-    async def _echo_texts(self, body: CompletionRequest, prompts: list[list[int]]) -> list[str]:
-        """Each prompt's text for echo: as sent, or its token ids decoded (off the event loop)."""
-        if isinstance(body.prompt, str):
-            return [body.prompt]
-        if isinstance(body.prompt[0], str):
-            return list(body.prompt)
+    async def _echo_texts(self, body: CompletionRequest, prompts: list[list[int]], whole: list[bool]) -> list[str]:
+        """Each prompt's text for echo: as sent, or its token ids decoded (off the event loop); a text prompt that
+        truncate_prompt_tokens cut, the ids the model ran decoded."""
+        texts = _prompt_texts(body)
         decode = self.engine.tokenizer.decode
-        return await asyncio.to_thread(lambda: [decode(p, skip_special_tokens=body.skip_special_tokens)
-                                                for p in prompts])
+        return await asyncio.to_thread(lambda: [
+            texts[i] if texts is not None and whole[i] else decode(p, skip_special_tokens=body.skip_special_tokens)
+            for i, p in enumerate(prompts)])
 
     async def _completion_prompts(self, prompt: str | list) -> list[list[int]]:
         if isinstance(prompt, str):
@@ -168,12 +171,13 @@ class CompletionsHandler(OpenAIServing):
             self.engine.limits.check_token_ids(p)
         return [list(p) for p in prompts]
 
-    def _echoed_bytes(self, body: CompletionRequest, ids: list[int]) -> list[bytes]:
+    def _echoed_bytes(self, body: CompletionRequest, ids: list[int], whole: bool = True) -> list[bytes]:
         """Each prompt token's bytes in its echoed text: a text prompt is echoed as sent (without the BOS or EOS the
-        tokenizer added), a prompt of ids decoded (without its special tokens, unless skip_special_tokens is false)."""
+        tokenizer added), a prompt of ids, or a text prompt truncate_prompt_tokens cut (not `whole`), decoded (without
+        its special tokens, unless skip_special_tokens is false)."""
         tok = self.engine.tokenizer
         data = [self.token_bytes(t) for t in ids]
-        if isinstance(body.prompt, str) or isinstance(body.prompt[0], str):
+        if whole and _prompt_texts(body) is not None:
             if tok.add_bos and tok.bos_token_id is not None:
                 data[0] = b""
             if tok.meta.add_eos and tok.eos_token_ids:
@@ -245,6 +249,13 @@ class _TextOffsets:
         at = self.chars[i]
         self.chars[i] += len(self._utf8[i].decode(data))
         return at
+
+
+def _prompt_texts(body: CompletionRequest) -> list[str] | None:
+    """The prompts' texts as sent; None for prompts of token ids."""
+    if isinstance(body.prompt, str):
+        return [body.prompt]
+    return list(body.prompt) if isinstance(body.prompt[0], str) else None
 
 
 def _num_prompts(prompt: str | list) -> int:

@@ -23,9 +23,9 @@ MAX_MESSAGES = 1024  # chat messages per request
 MAX_TOP_LOGPROBS = 20  # OpenAI's bound on chat's top_logprobs, and vLLM's on prompt_logprobs here
 StopText = Annotated[str, Field(max_length=MAX_STOP_CHARS)]
 NULL_IS_DEFAULT = ("n", "stream", "echo", "logprobs")  # OpenAI's nullable fields typed here without None
+MAX_BAD_WORDS = 1024  # vLLM's bad_words per request
 # vLLM's request extras that change the output, which tokenhaul does not serve: refused when set, not ignored
-REFUSED_EXTRAS = ("guided_whitespace_pattern", "allowed_token_ids", "bad_words", "truncate_prompt_tokens",
-                  "echo")  # echo: chat's only (a completions field)
+REFUSED_EXTRAS = ("guided_whitespace_pattern", "echo")  # echo: chat's only (a completions field)
 
 
 class RequestBody(BaseModel):
@@ -78,6 +78,12 @@ class SamplingRequest(RequestBody):
         None, description="vLLM's: each prompt token's logprob and the k most likely tokens there (not streamed)")
     structured_outputs: dict[str, Any] | None = Field(
         None, description="vLLM's: one of json (a schema), regex, choice, grammar, json_object the output follows")
+    allowed_token_ids: list[int] | None = Field(None, description="vLLM's: only these token ids may be generated")
+    bad_words: Annotated[list[StopText], Field(max_length=MAX_BAD_WORDS)] | None = Field(
+        None, description="vLLM's: words never generated (at the text's start, or after a space)")
+    truncate_prompt_tokens: int | None = Field(
+        None, description="vLLM's: only the prompt's last k tokens are run (-1: the model's context length); "
+                          "usage counts those")
     guided_json: str | dict[str, Any] | None = None  # vLLM's older names of structured_outputs' kinds
     guided_regex: str | None = None
     guided_choice: list[str] | None = None
@@ -141,7 +147,9 @@ class SamplingRequest(RequestBody):
                               skip_special_tokens=self.skip_special_tokens,
                               include_stop_str_in_output=self.include_stop_str_in_output,
                               use_beam_search=self.use_beam_search, n=n, logit_bias=self._logit_bias(),
-                              structured_outputs=so, **kw)
+                              structured_outputs=so, allowed_token_ids=self.allowed_token_ids,
+                              bad_words=list(self.bad_words or []),
+                              truncate_prompt_tokens=self.truncate_prompt_tokens, **kw)
 
     def _logit_bias(self) -> dict[int, float]:
         """OpenAI's string keys as token ids (their range and the biases are SamplingParams' to check)."""

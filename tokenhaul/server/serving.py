@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import json
 import math
 import time
@@ -18,6 +19,7 @@ from fastapi.responses import StreamingResponse
 
 from tokenhaul.errors import TokenhaulError
 from tokenhaul.outputs import TokenLogprob
+from tokenhaul.sampling_params import SamplingParams
 from tokenhaul.server.async_engine import (
     AsyncEngine,
     EngineFailed,
@@ -27,7 +29,7 @@ from tokenhaul.server.async_engine import (
     RequestStream,
 )
 from tokenhaul.server.errors import ClientGone, api_error
-from tokenhaul.server.protocol import StreamOptions
+from tokenhaul.server.protocol import SamplingRequest, StreamOptions
 
 REPLICA_HEADER = "x-tokenhaul-replica"  # which engine replica served the call (as routed at admission)
 
@@ -68,6 +70,29 @@ class OpenAIServing:
             reason = {EngineOverloaded: "queue_full", EngineUnavailable: "unavailable"}.get(type(e), "invalid")
             self.engine.metrics.rejected.labels(reason).inc()
             raise api_error(e, prompt_param) from None
+
+    def truncate(self, body: SamplingRequest, prompt: list[int]) -> list[int]:
+        """vLLM's truncate_prompt_tokens: the prompt's last k tokens (-1: the model's context length), applied by the
+        front end before admission; the body's k is resolved (a -1 becomes that length) for its SamplingParams."""
+        k = body.truncate_prompt_tokens
+        if k == -1:
+            k = body.truncate_prompt_tokens = self.engine.limits.max_model_len
+        return prompt[-k:] if k is not None and k >= 1 else prompt
+
+    async def tokenize_bad_words(self, params: list[SamplingParams]) -> None:
+        """Each engine request's bad_words tokenized for the core (SamplingParams.update_from_tokenizer, as LLM does),
+        off the event loop; the choices' words, the same, are encoded once."""
+        if not any(p.bad_words for p in params):
+            return
+        tok = self.engine.tokenizer
+
+        def run() -> None:
+            encode = functools.cache(lambda t: tuple(tok.encode(t, add_special_tokens=False)))
+            for p in params:
+                if p.bad_words:
+                    p.update_from_tokenizer(lambda t: list(encode(t)))
+
+        await asyncio.to_thread(run)
 
     def room(self, num_prompt_tokens: int) -> int:
         """max_tokens for "up to the context's end" (vLLM's max_tokens=None): what fits after the prompt in the context
