@@ -100,12 +100,15 @@ class BeamSearch:
         if request_id in self.groups:
             raise RequestError(f"duplicate request id {request_id!r}")
         total = min(len(prompt_token_ids) + params.max_tokens, self.max_model_len)
-        shared = len(prompt_token_ids) // self.kv.block_size  # full prompt blocks, shared by every beam
-        need = shared + params.beam_width * (self.kv.blocks_for(total) - shared)
+        need = self.kv.blocks_for_beams(len(prompt_token_ids), total, params.beam_width)
         if need > self.kv.num_blocks:  # all beams must fit at once, or the group could never step
             raise CapacityError(f"beam search needs {need} KV blocks ({params.beam_width} beams of {total} "
                                 f"tokens) but the pool has only {self.kv.num_blocks}")
-        root = Request(f"{request_id}#0", list(prompt_token_ids), params, tuple(eos_token_ids), priority)
+        if params.beam_width > self.scheduler.config.max_num_seqs:  # its beams must all run in one step
+            raise CapacityError(f"beam_width {params.beam_width} exceeds the engine's max_num_seqs "
+                                f"{self.scheduler.config.max_num_seqs}")
+        root = Request(f"{request_id}#0", list(prompt_token_ids), params, tuple(eos_token_ids), priority,
+                       beam_group=request_id)
         self.scheduler.add(root)
         stops = set(params.stop_token_ids) | (set() if params.ignore_eos else set(eos_token_ids))
         W = params.beam_width
@@ -173,7 +176,7 @@ class BeamSearch:
         while len(g.beams) < g.width:
             root = g.beams[0]
             b = Request(f"{g.request_id}#{len(g.beams)}", g.prompt_token_ids, g.params, root.eos_token_ids,
-                        root.priority, arrival=root.arrival, arrival_time=root.arrival_time)
+                        root.priority, arrival=root.arrival, arrival_time=root.arrival_time, beam_group=g.request_id)
             g.beams.append(b)
             self.owner[b.request_id] = g
             self.scheduler.adopt(b)

@@ -55,6 +55,7 @@ class Request:
     kv_heir: KVHolder | None = None  # at finish its blocks are forked here before being freed (tree search)
     prompt_logprobs: list[Sample | None] | None = None  # asked for: one per prompt token collected so far
     grammar: Grammar | None = None  # structured outputs' matcher (decoding/grammar.py), fed each appended token
+    beam_group: str | None = None  # a beam of this beam search group (decoding/beam.py): admitted as a whole
 
     def __post_init__(self) -> None:
         if self.params.seed is not None:

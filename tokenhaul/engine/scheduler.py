@@ -142,6 +142,8 @@ class Scheduler:
         while i < len(self.waiting) and budget > 0 and len(self.running) < self.config.max_num_seqs \
                 and not out.preempted:
             req = self.waiting[i]
+            if not self._group_fits(req):
+                break  # first come first served: no younger request takes the seats or blocks it waits for
             if self._prefix_in_flight(req, out):
                 i += 1
                 continue
@@ -190,6 +192,9 @@ class Scheduler:
                 break
             waiting = req.status is Status.WAITING
             if waiting and not (admit and not out.preempted and len(self.running) < cfg.max_num_seqs):
+                continue
+            if waiting and not self._group_fits(req):
+                admit = False  # as when its blocks are short: no younger request is admitted past it
                 continue
             if waiting and self._prefix_in_flight(req, out):
                 continue
@@ -269,6 +274,24 @@ class Scheduler:
         return finished
 
     # helpers -----------------------------------------------------------------------------
+    def _group_fits(self, req: Request) -> bool:
+        """A beam search's first beam is admitted only with `beam_width` seats free under max_num_seqs beside the
+        groups already admitted (their beams count whether running or preempted), as its beams are adopted
+        without asking. Otherwise a preempted beam could find every seat held by beams of groups that wait for
+        their own preempted siblings, and no group would step again. Preempted beams come back as any request."""
+        if req.beam_group is None or req.num_preemptions or req.output_token_ids:
+            return True
+        groups = {r.beam_group: r for r in (*self.running, *self.waiting) if r.beam_group is not None
+                  and (r.status is Status.RUNNING or r.num_preemptions or r.output_token_ids)}
+        seats = sum(r.params.beam_width for r in groups.values()) + sum(r.beam_group is None for r in self.running)
+        blocks = sum(self._group_blocks(r) for r in (*groups.values(), req))
+        return seats + req.params.beam_width <= self.config.max_num_seqs and blocks <= self.kv.num_blocks
+
+    def _group_blocks(self, req: Request) -> int:
+        """The most blocks a beam group may hold at once (every beam's own tail, the prompt's full blocks shared)."""
+        total = min(req.num_prompt_tokens + req.params.max_tokens, self.config.max_model_len)
+        return self.kv.blocks_for_beams(req.num_prompt_tokens, total, req.params.beam_width)
+
     def _prefix_in_flight(self, req: Request, out: SchedulerOutput) -> bool:
         """Whether a chunk of this step completes a full block of `req`'s prompt prefix (same tokens up to and
         through that block): then `req` waits a step and takes those blocks from the prefix cache instead of

@@ -59,6 +59,12 @@ class KVManager:
     def blocks_for(self, num_tokens: int) -> int:
         return -(-num_tokens // self.block_size)
 
+    def blocks_for_beams(self, num_prompt_tokens: int, num_tokens: int, width: int) -> int:
+        """Blocks a beam search group may hold at once: its full prompt blocks shared, the rest of `num_tokens`
+        (prompt + generated) private to each of `width` beams."""
+        shared = num_prompt_tokens // self.block_size
+        return shared + width * (self.blocks_for(num_tokens) - shared)
+
     def match(self, req: KVOwner, uncached: bool = False) -> int:
         """Give a request without blocks the longest cached prefix of its tokens (a reference on each
         hit block); sets `num_computed_tokens` to the tokens covered and returns it. uncached: no cached
