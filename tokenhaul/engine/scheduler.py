@@ -275,10 +275,11 @@ class Scheduler:
 
     # helpers -----------------------------------------------------------------------------
     def _group_fits(self, req: Request) -> bool:
-        """A beam search's first beam is admitted only with `beam_width` seats free under max_num_seqs beside the
-        groups already admitted (their beams count whether running or preempted), as its beams are adopted
-        without asking. Otherwise a preempted beam could find every seat held by beams of groups that wait for
-        their own preempted siblings, and no group would step again. Preempted beams come back as any request."""
+        """A beam search's first beam is admitted only with room for its whole group beside the groups already
+        admitted (their beams count whether running or preempted): `beam_width` seats under max_num_seqs (beams
+        are adopted without asking) and its worst-case blocks in the pool. Otherwise a preempted beam could find
+        the seats or blocks it needs held by beams of groups that wait for their own preempted siblings, and no
+        group would step again. Preempted beams come back as any request."""
         if req.beam_group is None or req.num_preemptions or req.output_token_ids:
             return True
         groups = {r.beam_group: r for r in (*self.running, *self.waiting) if r.beam_group is not None
