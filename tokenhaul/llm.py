@@ -142,8 +142,9 @@ class LLM:
             for i, (prompt, p) in enumerate(zip(prompts, plist)):
                 rid = f"gen-{next(self._ids)}"
                 token_ids = self.encode(prompt)
-                if p.truncate_prompt_tokens:  # vLLM's: the prompt's last k tokens
-                    token_ids = token_ids[-p.truncate_prompt_tokens:]
+                if p.truncate_prompt_tokens:  # vLLM's: the prompt's last k tokens (-1: the context's length)
+                    k = p.truncate_prompt_tokens
+                    token_ids = token_ids[-(self.config.max_model_len if k == -1 else k):]
                 fan = _fan_out(p)
                 for sp in fan:
                     if sp.bad_words:

@@ -46,7 +46,8 @@ class SamplingParams:
     structured_outputs: StructuredOutputsParams | None = None  # constrained decoding (json / regex / choice / ...)
     allowed_token_ids: list[int] | None = None  # vLLM's: only these tokens may be sampled
     bad_words: list[str] = field(default_factory=list)  # vLLM's: words never generated (see update_from_tokenizer)
-    truncate_prompt_tokens: int | None = None  # vLLM's: the front end keeps only the prompt's last k tokens
+    truncate_prompt_tokens: int | None = None  # vLLM's: the front end keeps only the prompt's last k tokens (-1:
+    #                                            the context's length)
     detokenize: bool = True  # vLLM's: False returns token ids only (no text: no stop strings either)
     # bad_words as token sequences (both with and without a leading space), set by the front end's tokenizer:
     # a sequence's last token is banned wherever the output so far ends with the rest of it
@@ -142,8 +143,10 @@ class SamplingParams:
              and all(isinstance(w, str) and w.strip() for w in self.bad_words),
              f"bad_words must be a list of non-blank strings, got {self.bad_words!r}"),
             (self.truncate_prompt_tokens is None or (_is_int(self.truncate_prompt_tokens)
-                                                     and self.truncate_prompt_tokens >= 1),
-             f"truncate_prompt_tokens must be a positive integer, got {self.truncate_prompt_tokens!r}"),
+                                                     and (self.truncate_prompt_tokens >= 1
+                                                          or self.truncate_prompt_tokens == -1)),
+             f"truncate_prompt_tokens must be a positive integer or -1 (the context's length), "
+             f"got {self.truncate_prompt_tokens!r}"),
         ]
         for ok, msg in checks:
             if not ok:

@@ -81,6 +81,7 @@ def test_engine_never_emits_a_banned_word_or_a_token_not_allowed(tiny_core, spec
                                     ({"allowed_token_ids": 5}, "allowed_token_ids"),
                                     ({"bad_words": [""]}, "bad_words"), ({"bad_words": [3]}, "bad_words"),
                                     ({"truncate_prompt_tokens": 0}, "truncate_prompt_tokens"),
+                                    ({"truncate_prompt_tokens": -2}, "truncate_prompt_tokens"),
                                     ({"bad_words": ["a"], "use_beam_search": True}, "bad_words"),
                                     ({"allowed_token_ids": [1], "use_beam_search": True}, "allowed_token_ids")])
 def test_bad_values_one_line_errors(kw, msg):
@@ -103,6 +104,8 @@ def test_offline_bad_words_truncation_and_prompt_dicts_on_smollm(smollm):
                                                                   truncate_prompt_tokens=5))[0]
     assert cut.prompt_token_ids == ids[-5:]
     assert cut.token_ids == smollm.generate([ids[-5:]], SamplingParams(max_tokens=4, temperature=0))[0].token_ids
+    whole = smollm.generate([ids], SamplingParams(max_tokens=1, temperature=0, truncate_prompt_tokens=-1))[0]
+    assert whole.prompt_token_ids == ids  # -1: the context's length, as vLLM
     by_dict = smollm.generate([{"prompt": prompt}], greedy)[0]
     assert by_dict.text == plain.text and by_dict.prompt == prompt
     with pytest.raises(RequestError, match="prompt_token_ids"):
