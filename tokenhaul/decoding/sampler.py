@@ -62,8 +62,8 @@ def adjust_logits(logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
     banned = [[t for t in (*r.eos_token_ids, *p.stop_token_ids) if t < V]
               if len(r.output_token_ids) + len(pre) < p.min_tokens else []
               for r, p, pre in zip(batch.reqs, ps, batch.prefixes)]  # a row's output so far: tokens + its drafts
-    banned = [b + _bad_word_ends(p.bad_words_token_ids, r.output_token_ids + pre)
-              for b, r, p, pre in zip(banned, batch.reqs, ps, batch.prefixes)]
+    banned = [b + _bad_word_ends(p.bad_words_token_ids, r.output_token_ids + pre) if p.bad_words_token_ids else b
+              for b, r, p, pre in zip(banned, batch.reqs, ps, batch.prefixes)]  # no output copy in rows without
     if any(banned):
         logits = logits.index_put(_index(banned, dev), torch.tensor(float("-inf"), dtype=logits.dtype, device=dev))
     allowed = [r for r, p in enumerate(ps) if p.allowed_token_ids is not None]
