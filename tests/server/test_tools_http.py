@@ -209,6 +209,25 @@ def test_the_template_gets_the_tools_also_with_none(qwen):
     assert r.status_code == 400 and r.json()["error"]["param"] == "tools"
 
 
+def test_serve_can_leave_the_tools_out_with_none(qwen):
+    """serve --exclude-tools-when-tool-choice-none (vLLM's): tool_choice "none" renders no tools, "auto" does."""
+    from tokenhaul.cli import build_parser
+
+    tok = qwen[3]
+    core = EngineCore(EngineConfig(model="script", num_kv_blocks=64, block_size=16, max_model_len=1024,
+                                   max_num_seqs=4, max_num_batched_tokens=1024), ScriptModel(tok.vocab_size, [0]))
+    flags = build_parser().parse_args(["serve", "--exclude-tools-when-tool-choice-none"])
+    assert flags.exclude_tools_when_tool_choice_none
+    options = ServerOptions(enable_auto_tool_choice=True, tool_call_parser="hermes",
+                            exclude_tools_when_tool_choice_none=True)
+    with ServerThread(build_app(AsyncEngine(core, tok, "qwen-script", 16), options)) as srv, \
+            openai.OpenAI(base_url=srv.url + "/v1", api_key="unused", max_retries=0, timeout=60) as c:
+        sizes = {choice: c.chat.completions.create(model="qwen-script", messages=ASK, max_tokens=1, **kw).usage
+                 .prompt_tokens for choice, kw in (("no tools", {}), ("none", {"tools": TOOLS, "tool_choice": "none"}),
+                                                   ("auto", {"tools": TOOLS}))}
+    assert sizes["none"] == sizes["no tools"] and sizes["auto"] > sizes["no tools"] + 50
+
+
 def test_auto_reads_hermes_tool_calls_streamed_the_same(qwen):
     oai, model, reply, tok, _ = qwen
     kw = dict(model="qwen-script", messages=ASK, max_tokens=64, tools=TOOLS)

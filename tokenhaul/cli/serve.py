@@ -40,6 +40,8 @@ def add_parsers(sub: argparse._SubParsersAction) -> None:
                    help="serve chat tool_choice 'auto' (the default with tools; else a 400), as vLLM")
     s.add_argument("--tool-call-parser", default=None, choices=["hermes"],
                    help="how 'auto' reads tool calls from the text: hermes (<tool_call> JSON blocks, Qwen2.5)")
+    s.add_argument("--exclude-tools-when-tool-choice-none", action="store_true",
+                   help="chat tool_choice 'none' leaves the tools out of the prompt (default: rendered, as vLLM)")
     s.add_argument("--log-level", default="info")
     s.add_argument("--access-log", action="store_true")
     s.add_argument("--replicas", type=int, default=0,
@@ -60,7 +62,8 @@ def cmd_serve(args: argparse.Namespace) -> None:
     options = ServerOptions(args.api_key, tuple(args.allowed_hosts) if args.allowed_hosts else None,
                             tuple(args.allowed_origins or ()), not args.no_docs, args.max_body_bytes,
                             args.header_timeout, args.body_timeout, args.keep_alive_timeout,
-                            args.enable_auto_tool_choice, args.tool_call_parser)
+                            args.enable_auto_tool_choice, args.tool_call_parser,
+                            args.exclude_tools_when_tool_choice_none)
     if args.replicas:
         from tokenhaul.cluster.pool import ReplicaPool
 

@@ -125,7 +125,8 @@ def build_app(engine: AsyncEngine, options: ServerOptions | None = None, manage_
         app.add_middleware(CORSMiddleware, allow_origins=list(options.allowed_origins),
                            allow_methods=["GET", "POST"], allow_headers=["authorization", "content-type"])
     completion_api = CompletionsHandler(engine)
-    chat_api = ChatHandler(engine, options.tool_call_parser if options.enable_auto_tool_choice else None)
+    chat_api = ChatHandler(engine, options.tool_call_parser if options.enable_auto_tool_choice else None,
+                           options.exclude_tools_when_tool_choice_none)
     tok = TokenizationHandlers(engine)
 
     @app.exception_handler(APIError)

@@ -23,9 +23,11 @@ from tokenhaul.server.tools import read_tool_use, with_tools
 class ChatHandler(OpenAIServing):
     """/v1/chat/completions; one instance per app."""
 
-    def __init__(self, engine: AsyncEngine, tool_parser: str | None = None) -> None:
+    def __init__(self, engine: AsyncEngine, tool_parser: str | None = None, exclude_tools_when_none: bool = False,
+                 ) -> None:
         super().__init__(engine)
         self.tool_parser = tool_parser  # with --enable-auto-tool-choice: tool_choice "auto" is served by it
+        self.exclude_tools_when_none = exclude_tools_when_none  # --exclude-tools-when-tool-choice-none
 
     async def chat(self, body: ChatCompletionRequest, request: Request) -> Response:
         e = self.engine
@@ -36,8 +38,9 @@ class ChatHandler(OpenAIServing):
                 raise RequestError("top_logprobs requires logprobs to be true")
             messages = [m.as_template_dict() for m in body.messages]
             tool_use = read_tool_use(body.tools, body.tool_choice, self.tool_parser)
-            # the template gets the tools, with "none" too (vLLM's default)
-            kwargs = with_tools(body.chat_template_kwargs, None if tool_use is None else tool_use.tools)
+            # the template gets the tools, with "none" too (vLLM's default) unless serve excludes them there
+            shown = tool_use is not None and not (self.exclude_tools_when_none and tool_use.choice == "none")
+            kwargs = with_tools(body.chat_template_kwargs, tool_use.tools if shown else None)
             prompt = await e.encode_chat(messages, body.add_generation_prompt, body.continue_final_message,
                                          template_kwargs=kwargs)
             prompt = self.truncate(body, prompt)  # vLLM's truncate_prompt_tokens: of the rendered prompt

@@ -40,6 +40,7 @@ class ServerOptions:
     keep_alive_timeout: float = 5.0  # an idle keep-alive connection is closed after this
     enable_auto_tool_choice: bool = False  # vLLM's: serve chat tool_choice "auto" (the default with tools)
     tool_call_parser: str | None = None  # ... reading the calls from the text with this parser (tools.PARSERS)
+    exclude_tools_when_tool_choice_none: bool = False  # vLLM's: tool_choice "none" leaves the tools out of the prompt
 
     def __post_init__(self) -> None:
         from tokenhaul.errors import TokenhaulError
