@@ -23,7 +23,7 @@ from tokenhaul.ledger.ledger import Ledger
 from tokenhaul.models.catalog import DEFAULT_MODEL, resolve
 from tokenhaul.models.registry import Model, load_model
 from tokenhaul.outputs import BeamOutput, CompletionOutput, LogprobDict, RequestOutput, vllm_logprobs
-from tokenhaul.sampling_params import SamplingParams
+from tokenhaul.sampling_params import SamplingParams, truncate_prompt
 from tokenhaul.text.output_processor import OutputProcessor
 from tokenhaul.text.tokenizer import Tokenizer
 from tokenhaul.whatif.calibrate import machine_roofline
@@ -142,9 +142,7 @@ class LLM:
             for i, (prompt, p) in enumerate(zip(prompts, plist)):
                 rid = f"gen-{next(self._ids)}"
                 token_ids = self.encode(prompt)
-                if p.truncate_prompt_tokens:  # vLLM's: the prompt's last k tokens (-1: the context's length)
-                    k = p.truncate_prompt_tokens
-                    token_ids = token_ids[-(self.config.max_model_len if k == -1 else k):]
+                token_ids = truncate_prompt(token_ids, p.truncate_prompt_tokens, self.config.max_model_len)
                 fan = _fan_out(p)
                 for sp in fan:
                     if sp.bad_words:

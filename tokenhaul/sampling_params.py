@@ -189,6 +189,14 @@ class SamplingParams:
                                f"(--draft-model)")
 
 
+def truncate_prompt(token_ids: list[int], k: int | None, max_model_len: int) -> list[int]:
+    """vLLM's truncate_prompt_tokens, which the front ends apply: the prompt's last k ids (-1: max_model_len; None:
+    all of them; other values are SamplingParams' to refuse)."""
+    if k is None or (k < 1 and k != -1):
+        return token_ids
+    return token_ids[-(max_model_len if k == -1 else k):]
+
+
 def _is_int(x: object) -> bool:
     return isinstance(x, int) and not isinstance(x, bool)
 

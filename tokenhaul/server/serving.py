@@ -19,7 +19,7 @@ from fastapi.responses import StreamingResponse
 
 from tokenhaul.errors import TokenhaulError
 from tokenhaul.outputs import TokenLogprob
-from tokenhaul.sampling_params import SamplingParams
+from tokenhaul.sampling_params import SamplingParams, truncate_prompt
 from tokenhaul.server.async_engine import (
     AsyncEngine,
     EngineFailed,
@@ -72,12 +72,8 @@ class OpenAIServing:
             raise api_error(e, prompt_param) from None
 
     def truncate(self, body: SamplingRequest, prompt: list[int]) -> list[int]:
-        """vLLM's truncate_prompt_tokens: the prompt's last k tokens (-1: the model's context length), applied by the
-        front end before admission; the body's k is resolved (a -1 becomes that length) for its SamplingParams."""
-        k = body.truncate_prompt_tokens
-        if k == -1:
-            k = body.truncate_prompt_tokens = self.engine.limits.max_model_len
-        return prompt[-k:] if k is not None and k >= 1 else prompt
+        """vLLM's truncate_prompt_tokens, applied before admission (sampling_params.truncate_prompt)."""
+        return truncate_prompt(prompt, body.truncate_prompt_tokens, self.engine.limits.max_model_len)
 
     async def tokenize_bad_words(self, params: list[SamplingParams]) -> None:
         """Each engine request's bad_words tokenized for the core (SamplingParams.update_from_tokenizer, as LLM does),
