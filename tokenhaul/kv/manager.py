@@ -52,10 +52,6 @@ class KVManager:
     def num_blocks(self) -> int:
         return self.pool.num_blocks
 
-    @property
-    def num_free_blocks(self) -> int:
-        return self.pool.num_free
-
     def blocks_for(self, num_tokens: int) -> int:
         return -(-num_tokens // self.block_size)
 

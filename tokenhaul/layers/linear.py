@@ -92,6 +92,3 @@ def dequantize_part(p: Part) -> torch.Tensor:
     """One part as an fp32 [out, in] tensor (exact for GGUF blocks: gguf's own dequantization)."""
     return p.dequantize() if isinstance(p, GGUFWeight) else p.float()
 
-
-def part_rows(p: Part) -> int:
-    return p.shape[0]

@@ -25,7 +25,6 @@ class CatalogEntry:
     parts: tuple[tuple[str, str], ...]  # (distribution name, file path inside it), in join order
     sha256: str
     size_bytes: int
-    no_deps: bool = True
 
 
 def _parts(dist_fmt: str, path_fmt: str, n: int, start: int = 1) -> tuple[tuple[str, str], ...]:
