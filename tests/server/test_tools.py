@@ -12,7 +12,7 @@ import pytest
 from tokenhaul.errors import RequestError, TokenhaulError
 from tokenhaul.server.chat_protocol import ChatMessage
 from tokenhaul.server.guards import ServerOptions
-from tokenhaul.server.tool_stream import ToolStream
+from tokenhaul.server.tool_stream import ToolStream, choice_message
 from tokenhaul.server.tools import AUTO_REFUSED, ToolUse, parse_hermes, read_tool_use
 
 WEATHER = {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}
@@ -124,7 +124,7 @@ def _streamed(use: ToolUse | None, pieces: list[str], reason: str) -> tuple[dict
     ("auto", 'Hi\n<tool_call>\n{"name":"weather","arguments":{ "city" :"Os\\u00e9lo\\n" , "n": 1.50, "l": [1,'
              ' 2e1, null, {"k": true}] }}\n</tool_call>', "stop"),  # written as json.dumps writes the arguments
     ("auto", '<tool_call>{"arguments": {"city": "Oslo"}, "name": "weather"}</tool_call>', "stop"),  # name last
-    ("auto", 'Not <tool_call>{"name": "now"', "length"),  # a block that is not JSON: all text
+    ("auto", 'Not <tool_call>{"name": "now"', "length"),  # cut short after the name: the call as far as it came
     ("required", '[{"name": "now", "parameters": {}}]', "stop"),
     ("required", '[{"name": "weather", "parameters": {"city": "O\\"s}]lo"}}, {"name": "now", "parameters": {}}]',
      "stop"),
@@ -135,15 +135,35 @@ def _streamed(use: ToolUse | None, pieces: list[str], reason: str) -> tuple[dict
 ])
 def test_streamed_deltas_add_up_to_the_message(choice, text, reason):
     use = ToolUse(read_tool_use(TOOLS, "none", None).tools, choice, "weather" if choice == "named" else None)
-    msg, want = use.message(text, reason)
+    msg, want = choice_message(use, text, reason)
     calls = [(c["function"]["name"], c["function"]["arguments"]) for c in msg.get("tool_calls", [])]
-    if text.startswith("Not <tool_call>"):  # a call is streamed once its name is known, as vLLM: no taking it back
-        calls = [("now", "")]
     for size in (1, 3, 1000):
         got, last = _streamed(use, [text[k:k + size] for k in range(0, len(text), size)], reason)
         assert last == want
         assert got["content"] == (msg["content"] or "")
         assert got["calls"] == calls
+
+
+@pytest.mark.parametrize("choice, text, reason, content, calls, want", [
+    ("auto", 'Sure.<tool_call>\n{"name": "f"', "stop", "Sure.", [("f", "")], "tool_calls"),  # unclosed
+    ("auto", 'Sure.<tool_call>{"name": "f", "arguments": {"a": [1', "length", "Sure.", [("f", '{"a": [')],
+     "length"),  # a number is sent once it ends
+    ("auto", '<tool_call>{"name": "now", "arguments": {}}</tool_call><tool_call>{"name": "f", "arg', "length", "",
+     [("now", "{}"), ("f", "")], "length"),  # the first call whole, the second cut short
+    ("required", '[{"name": "weather", "parameters": {"city": "Pa', "length", "", [("weather", '{"city": "Pa')],
+     "length"),  # max_tokens cut the call short
+    ("auto", 'Sure.<tool_call>\n{"na', "length", 'Sure.<tool_call>\n{"na', [], "length"),  # no call began: text
+])
+def test_a_call_cut_short_or_unclosed_is_in_the_message_as_streamed(choice, text, reason, content, calls, want):
+    """A call is streamed once its name is known, and a stream cannot take it back: the message holds the calls the
+    stream began, their arguments as far as they came, and no more content than was streamed."""
+    use = ToolUse(read_tool_use(TOOLS, "none", None).tools, choice)
+    msg, got_reason = choice_message(use, text, reason)
+    assert ((msg["content"] or ""), [(c["function"]["name"], c["function"]["arguments"])
+                                      for c in msg.get("tool_calls", [])], got_reason) == (content, calls, want)
+    for size in (1, 3, 1000):
+        got, last = _streamed(use, [text[k:k + size] for k in range(0, len(text), size)], reason)
+        assert (got["content"], got["calls"], last) == (content, calls, want)
 
 
 def test_required_stream_sends_the_arguments_as_they_come():

@@ -116,6 +116,17 @@ def test_required_streams_each_calls_arguments_piecewise_for_every_choice(oai):
     assert set(pieces) == {(i, k) for i in (0, 1) for k in range(len(calls))} and min(pieces.values()) > 1, pieces
 
 
+def test_required_cut_short_streams_what_the_message_holds(oai):
+    """max_tokens ends a "required" call midway: streamed and not, the call as far as it came and finish_reason
+    length, never its raw text as content besides (the stream sent the call before it knew it would end short)."""
+    kw = dict(model=MODEL, messages=ASK, max_tokens=12, temperature=0, tools=TOOLS, tool_choice="required")
+    choice = oai.chat.completions.create(**kw).choices[0]
+    calls = _calls(choice.message)
+    assert calls and choice.finish_reason == "length" and not choice.message.content
+    content, streamed, reason = _streamed(list(oai.chat.completions.create(**kw, stream=True)))
+    assert (content, reason) == ("", "length") and [(n, a) for _, n, a in streamed] == [(n, a) for _, n, a in calls]
+
+
 def test_none_answers_text(oai):
     kw = dict(model=MODEL, messages=ASK, max_tokens=8, temperature=0)
     plain = oai.chat.completions.create(**kw)

@@ -16,7 +16,7 @@ from tokenhaul.server.async_engine import AsyncEngine, GenerationDelta
 from tokenhaul.server.chat_protocol import ChatCompletionRequest
 from tokenhaul.server.errors import check_model, refused
 from tokenhaul.server.serving import REPLICA_HEADER, OpenAIServing, continuous_usage, finite
-from tokenhaul.server.tool_stream import ToolStream
+from tokenhaul.server.tool_stream import ToolStream, choice_message
 from tokenhaul.server.tools import read_tool_use, with_tools
 
 
@@ -69,7 +69,7 @@ class ChatHandler(OpenAIServing):
             for i, c in enumerate(acc):
                 out_tokens[i] = c.num_tokens
                 message, reason = ({"role": "assistant", "content": c.text}, c.finish_reason) if tool_use is None \
-                    else tool_use.message(c.text, c.finish_reason)
+                    else choice_message(tool_use, c.text, c.finish_reason)
                 choices.append({"index": i, "message": message,
                                 "logprobs": {"content": self._chat_logprobs(c.logprobs)} if want_lp else None,
                                 "finish_reason": reason, "stop_reason": c.stop_reason})

@@ -2,7 +2,8 @@
 named function's arguments as they come; each call of "required" (a JSON array of {name, parameters}) and of
 "auto" (Hermes <tool_call>{"name": ..., "arguments": ...}</tool_call> blocks) as a first delta with the call's
 index, id, type and name once its name is known, then its arguments' JSON text piece by piece as it is generated,
-written as the non-streamed message writes them (json_stream.py), so the pieces add up to its arguments."""
+written as the non-streamed message writes them (json_stream.py), so the pieces add up to its arguments. The
+non-streamed message is the one the stream adds up to (choice_message)."""
 
 from __future__ import annotations
 
@@ -12,10 +13,19 @@ from tokenhaul.server.json_stream import JSONValueStream
 from tokenhaul.server.tools import CALL_START, ToolUse, make_tool_call_id
 
 
+def choice_message(use: ToolUse, text: str, finish_reason: str | None) -> tuple[dict, str | None]:
+    """The non-streamed message of a choice's whole text, and its finish_reason: what its stream adds up to."""
+    if use.choice not in ("auto", "required"):
+        return use.message(text, finish_reason)
+    stream = ToolStream(use)
+    stream.delta(text, True, finish_reason)
+    return stream.message, stream.reason
+
+
 class ToolStream:
     """One streamed choice. "auto" streams content until a <tool_call> may begin, then no more content: its calls
-    as they are generated, and at the end what the whole text's message holds beyond them (or, if the whole text
-    holds no call, the rest as text, as the non-streamed message)."""
+    as they are generated, and at the end what the whole text's message holds beyond them (or, if no call began,
+    the rest as text, as the non-streamed message)."""
 
     def __init__(self, use: ToolUse | None) -> None:
         self.use = use
@@ -26,7 +36,9 @@ class ToolStream:
         self.call_id: str | None = None  # named: the call's id, once its first delta is sent
         self.call: _CallReader | None = None  # the call being read
         self.array = "before"  # "required": where the array of calls is read: before, in, after
-        self.arguments: list[str] = []  # per call started: the arguments sent
+        self.calls: list[dict] = []  # per call started: its id and name, and the arguments sent
+        self.message: dict = {}  # at the end: the choice's message, the deltas' sum
+        self.reason: str | None = None
 
     def delta(self, text: str, finished: bool, finish_reason: str | None) -> tuple[dict, str | None]:
         """The delta of new text, and at the end the choice's finish_reason (the whole message's)."""
@@ -37,14 +49,21 @@ class ToolStream:
             return self._named(text), finish_reason
         out = self._auto_content() if self.use.choice == "auto" else ""
         calls = self._read_calls()
-        reason = None
         if finished:
-            message, reason = self.use.message(self.text, finish_reason)
-            calls += self._rest_of_calls(message.get("tool_calls") or [])
-            if "tool_calls" not in message:  # no call parsed ("auto"), or "required" cut short: the rest is text
+            self.message, self.reason = self.use.message(self.text, finish_reason)
+            if "tool_calls" not in self.message and self.calls:
+                # the text holds no valid calls (cut short, or a block unclosed or not JSON), but calls were
+                # streamed once their names were known, and a stream cannot take them back (nor does vLLM's): the
+                # message is what was streamed, the calls as far as they came (OpenAI's too under "length")
+                content = self.text[:self.sent] or (None if self.use.choice == "auto" else "")  # as use.message
+                self.message = {"role": "assistant", "content": content, "tool_calls": [
+                    {k: c[k] for k in ("id", "type", "function")} for c in self.calls]}
+                self.reason = "tool_calls" if finish_reason == "stop" else finish_reason
+            calls += self._rest_of_calls(self.message.get("tool_calls") or [])
+            if "tool_calls" not in self.message:  # no call began ("auto"), or "required" cut short: the rest is text
                 out += self.text[self.sent:]
                 self.sent = len(self.text)
-        return ({"content": out} if out else {}) | ({"tool_calls": _merged(calls)} if calls else {}), reason
+        return ({"content": out} if out else {}) | ({"tool_calls": _merged(calls)} if calls else {}), self.reason
 
     def _named(self, text: str) -> dict:
         if not text:
@@ -113,10 +132,11 @@ class ToolStream:
             return []
         pieces = call.take_arguments()
         if call.index is None:
-            call.index = len(self.arguments)
-            self.arguments.append(pieces)
-            return [_header(call.index, make_tool_call_id(), call.name, pieces)]
-        self.arguments[call.index] += pieces
+            call.index = len(self.calls)
+            call_id = make_tool_call_id()
+            self.calls.append(_header(call.index, call_id, call.name, pieces))  # a copy: _merged adds to the one sent
+            return [_header(call.index, call_id, call.name, pieces)]
+        self.calls[call.index]["function"]["arguments"] += pieces
         return [{"index": call.index, "function": {"arguments": pieces}}] if pieces else []
 
     def _rest_of_calls(self, calls: list[dict]) -> list[dict]:
@@ -125,10 +145,12 @@ class ToolStream:
         out = []
         for k, c in enumerate(calls):
             args = c["function"]["arguments"]
-            if k >= len(self.arguments):
+            if k >= len(self.calls):
                 out.append({"index": k, **c})
-            elif args.startswith(self.arguments[k]) and len(args) > len(self.arguments[k]):
-                out.append({"index": k, "function": {"arguments": args[len(self.arguments[k]):]}})
+                continue
+            sent = self.calls[k]["function"]["arguments"]
+            if args.startswith(sent) and len(args) > len(sent):
+                out.append({"index": k, "function": {"arguments": args[len(sent):]}})
         return out
 
 
