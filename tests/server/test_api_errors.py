@@ -67,6 +67,7 @@ BAD = [
     (CHAT, {"messages": "hi"}, 400, "messages", "list_type"),
     (CHAT, {"messages": [{"content": "hi"}]}, 400, "messages.0.role", "missing"),
     (CHAT, {"messages": [{"role": "user", "content": 5}]}, 400, "messages.0.content", None),
+    (CHAT, {"messages": [{"role": "wizard", "content": "hi"}]}, 400, "messages.0.role", "value_error"),  # OpenAI's
     (CHAT, {"messages": [{"role": "user", "content": [{"type": "image_url"}]}]}, 400, None, None),
     (CHAT, {"messages": USER, "top_logprobs": 2}, 400, None, None),
     (CHAT, {"messages": USER, "logprobs": True, "top_logprobs": 21}, 400, "top_logprobs", None),
@@ -137,6 +138,7 @@ BAD = [
     (TOK, {"messages": "hi"}, 400, "messages", "list_type"),
     (TOK, {"prompt": "x", "messages": USER}, 400, None, None),  # which one? refused, not one of them ignored
     (TOK, {"messages": [{"content": "hi"}]}, 400, "messages.0.role", "missing"),
+    (TOK, {"messages": [{"role": "wizard", "content": "hi"}]}, 400, "messages.0.role", "value_error"),
     (TOK, {"messages": [{"role": "user", "content": [{"type": "image_url"}]}]}, 400, None, None),
     (TOK, {"messages": USER, "continue_final_message": True}, 400, "continue_final_message", None),  # both true
     (TOK, {"messages": USER, "chat_template_kwargs": {"add_generation_prompt": False}}, 400, "chat_template_kwargs",

@@ -40,6 +40,25 @@ def test_tokenize_chat_is_what_chat_completions_sends(script_server, client, tok
     assert kw.json()["tokens"] == r.json()["tokens"]  # the template's variables: none of them in this one
 
 
+def test_developer_messages_are_system_instructions_and_unknown_roles_refused(script_server, client):
+    """OpenAI's developer role is the system's instructions: rendered as a system message (as vLLM, for templates
+    without it; Qwen's would drop it). A role no template knows is a 400 naming it, not a message dropped."""
+    url = script_server[0]
+    system = client.post(url + "/tokenize", json={"messages": CHAT}).json()
+    developer = [{"role": "developer", "content": "Be brief."}, CHAT[1]]
+    assert client.post(url + "/tokenize", json={"messages": developer}).json()["tokens"] == system["tokens"]
+    used = client.post(url + "/v1/chat/completions", json={"messages": developer, "max_tokens": 1}).json()["usage"]
+    assert used["prompt_tokens"] == system["count"]
+    wizard = [CHAT[0], {"role": "wizard", "content": "hi"}]
+    for path in ("/tokenize", "/v1/chat/completions"):
+        r = client.post(url + path, json={"messages": wizard, "max_tokens": 1})
+        assert r.status_code == 400 and r.json()["error"]["param"] == "messages.1.role", r.text
+        assert "'wizard'" in r.json()["error"]["message"]
+    for role in ("user", "assistant", "tool", "function"):  # OpenAI's other roles are taken
+        r = client.post(url + "/tokenize", json={"messages": [{"role": role, "content": "hi", "name": "f"}]})
+        assert r.status_code == 200, r.text
+
+
 def test_detokenize(script_server, client, tokenizer):
     url = script_server[0]
     ids = tokenizer.encode(SCRIPT_TEXT, add_special_tokens=False)

@@ -4,9 +4,9 @@ earlier tool calls), the request's tools, the response's and the stream's chunks
 from __future__ import annotations
 
 import json
-from typing import Any, Literal
+from typing import Any, Literal, get_args
 
-from pydantic import BaseModel, Field, model_validator
+from pydantic import BaseModel, Field, field_validator, model_validator
 
 from tokenhaul.errors import RequestError
 from tokenhaul.server.protocol import (
@@ -35,22 +35,34 @@ class ToolCall(RequestBody):
     function: FunctionCall
 
 
+Role = Literal["system", "developer", "user", "assistant", "tool", "function"]  # OpenAI's (function: deprecated)
+
+
 class ChatMessage(RequestBody):
-    role: str
+    role: Role
     content: str | list[ContentPart] | None = None
     name: str | None = None
     tool_calls: list[ToolCall] | None = None  # an assistant's earlier calls
     tool_call_id: str | None = None  # a tool message's: the call it answers
 
+    @field_validator("role", mode="before")
+    @classmethod
+    def _known_role(cls, role: Any) -> Any:
+        """An unknown role is a 400 naming it (OpenAI's), not a message the template would drop silently."""
+        if isinstance(role, str) and role not in get_args(Role):
+            raise ValueError(f"invalid role {role!r}: one of {', '.join(get_args(Role))}")
+        return role
+
     def as_template_dict(self) -> dict[str, Any]:
         """The message as vLLM gives it to the chat template: text content, an assistant's tool_calls with their
-        arguments parsed to objects (as Qwen's and others' templates expect), a tool message's tool_call_id."""
+        arguments parsed to objects (as Qwen's and others' templates expect), a tool message's tool_call_id; a
+        developer message as a system one (its instructions, as vLLM gives it to templates without the role)."""
         content = self.content
         if isinstance(content, list):
             if any(p.type != "text" or p.text is None for p in content):
                 raise RequestError("only text content parts are supported")
             content = "\n".join(p.text or "" for p in content)  # as vLLM for a template taking a string
-        out: dict[str, Any] = {"role": self.role, "content": content or ""}
+        out: dict[str, Any] = {"role": "system" if self.role == "developer" else self.role, "content": content or ""}
         if self.name is not None:
             out["name"] = self.name
         if self.role == "assistant" and self.tool_calls is not None:
