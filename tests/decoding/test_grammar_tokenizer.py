@@ -1,6 +1,7 @@
 """GrammarCompiler's llguidance token table: built from the token strings (not by llguidance reading the whole
 tokenizer.json again), it is the one llguidance's own reader builds — same bytes and special marks for every id,
-same tokenization, same allowed-token masks step by step on SmolLM2 — and it is built once per compiler, not per
+same tokenization (but for text spelling a special token: text here, the special token there, which left
+the matcher failed), same allowed-token masks step by step on SmolLM2 — and it is built once per compiler, not per
 request. Byte-level and byte-fallback vocabularies both; tokenizers the table does not read take llguidance's
 reader."""
 
@@ -38,6 +39,16 @@ def same_table(new, old) -> None:
     assert [new.dbg_tokens([i]) for i in specials] == [old.dbg_tokens([i]) for i in specials]  # their names
 
 
+def same_tokens(new, old, text: str) -> None:
+    """new tokenizes text as llguidance's reader does, except that text spelling a special token stays text."""
+    ids, ref = new.tokenize_str(text), old.tokenize_str(text)
+    assert not any(map(new.is_special_token, ids))
+    if any(map(old.is_special_token, ref)):
+        assert new.decode_bytes(ids) == text.encode()
+    else:
+        assert ids == ref
+
+
 def masks(tok, spec: str, ids: list[int]) -> list[bytes]:
     """The allowed-token bitmask before each of ids, feeding them one by one, then the one after the last."""
     m = grammar.LLMatcher(tok, spec, log_level=0)
@@ -62,7 +73,7 @@ def test_smollm2_table_is_llguidance_readers(tokenizer, extra):
     old = _json_tokenizer(tokenizer.backend, V, tokenizer.eos_token_ids)
     same_table(new, old)
     for text in TEXTS:
-        assert new.tokenize_str(text) == old.tokenize_str(text)
+        same_tokens(new, old, text)
 
 
 @pytest.mark.real_model
@@ -141,7 +152,7 @@ def test_small_tables_are_llguidance_readers(make, eos, extra):
     old = _json_tokenizer(backend, V, eos)
     same_table(new, old)
     for text in ["a ab  é c", "plain words <mark> naïve ☃", "abc\n\t", "<eos>"]:
-        assert new.tokenize_str(text) == old.tokenize_str(text)
+        same_tokens(new, old, text)
     spec = StructuredOutputsParams(regex="(a|b| )+é").spec
     ids = backend.encode("ab a é", add_special_tokens=False).ids
     assert masks(new, spec, ids) == masks(old, spec, ids)
@@ -166,3 +177,27 @@ def test_a_tokenizer_llguidance_cannot_take_refuses_requests_not_the_load(change
     with pytest.raises(RequestError, match=f"^structured outputs need the model's tokenizer: .*{words}") as e:
         compiler.compile(StructuredOutputsParams(choice=["ab"]))
     assert "\n" not in str(e.value)
+
+
+@pytest.mark.real_model
+@pytest.mark.parametrize("kw, text", [
+    (dict(choice=["<|im_start|>hello"]), "<|im_start|>hello"),
+    (dict(regex=r"x<\|im_end\|>y"), "x<|im_end|>y"),
+    (dict(json={"type": "object", "properties": {"t": {"const": "<|im_start|>ok"}}, "required": ["t"],
+                "additionalProperties": False}, disable_any_whitespace=True), '{"t":"<|im_start|>ok"}'),
+], ids=["choice", "regex", "json"])
+def test_text_spelling_a_special_token_is_generated_as_text(tokenizer, kw, text):
+    """A constraint whose text spells a special token: the grammar's text is forced as plain tokens (llguidance's
+    reader forced the special token itself, which its table marks as matching nothing: the matcher failed)."""
+    g = GrammarCompiler.for_tokenizer(tokenizer, tokenizer.vocab_size).compile(StructuredOutputsParams(**kw))
+    row = torch.zeros(-(-tokenizer.vocab_size // 32), dtype=torch.int32)
+    out = []
+    while not g.complete and len(out) < 40:  # the longest allowed token each step: the forced text's tokens
+        g.fill_bitmask(row)
+        allowed = ((row[:, None] >> torch.arange(32)) & 1).flatten().nonzero().flatten().tolist()
+        allowed = [t for t in allowed if t < tokenizer.vocab_size and t not in tokenizer.eos_token_ids]
+        out.append(max(allowed, key=lambda t: len(tokenizer.decode([t], skip_special_tokens=False))))
+        g.accept(out[-1])
+        assert not g.failed, g.matcher.get_error()
+    assert g.complete and tokenizer.decode(out, skip_special_tokens=False) == text
+    assert tokenizer.decode(out) == text  # no special token among them

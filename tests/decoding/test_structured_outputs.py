@@ -10,7 +10,7 @@ from tiny_models import tiny_model
 from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers
 
 from tokenhaul.config import EngineConfig
-from tokenhaul.decoding.grammar import GrammarCompiler
+from tokenhaul.decoding.grammar import Grammar, GrammarCompiler
 from tokenhaul.decoding.sampler import sample
 from tokenhaul.engine.core import EngineCore
 from tokenhaul.engine.request import Request
@@ -121,6 +121,16 @@ def test_eos_only_where_the_grammar_accepts():
     assert first in {ord(c) - 31 for c in "abc"}
     req.grammar.accept(first)
     assert sample(logits.clone(), [req])[0].token == EOS  # "a" is complete: EOS is allowed now
+
+
+def test_a_refused_token_aborts_the_request(monkeypatch):
+    """A token the matcher refuses (here: a mask broken on purpose lets any token through) ends the request as
+    "abort", not "stop": its output no longer meets the constraint."""
+    monkeypatch.setattr(Grammar, "fill_bitmask", lambda self, row: row.fill_(-1))
+    params = SamplingParams(max_tokens=20, temperature=0, structured_outputs=so(regex="q{20}"))
+    out = run(make_core(), [(p, params) for p in PROMPTS])
+    for toks, reason, _ in out.values():
+        assert reason == "abort" and text(toks) != "q" * 20
 
 
 def test_preemption_feeds_no_token_twice():

@@ -8,6 +8,7 @@ the request's matcher once (engine/scheduler.py), so recompute after preemption 
 from __future__ import annotations
 
 import json
+import logging
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING
 
@@ -23,6 +24,7 @@ if TYPE_CHECKING:
     from tokenhaul.text.tokenizer import Tokenizer
 
 _BITS = torch.arange(32, dtype=torch.int32)
+log = logging.getLogger(__name__)
 
 
 class Grammar:
@@ -38,12 +40,18 @@ class Grammar:
 
     def accept(self, token: int) -> None:
         """Advance past a sampled token (masked sampling only draws allowed ones)."""
-        self.matcher.consume_token(token)
+        if not self.matcher.consume_token(token):
+            log.warning("structured output refused token %d: %s", token, _one_line(self.matcher.get_error()))
 
     @property
-    def terminated(self) -> bool:
-        """Nothing but EOS may follow (the output is complete), or the matcher failed."""
-        return self.matcher.is_stopped() or self.matcher.is_error()
+    def complete(self) -> bool:
+        """Nothing but EOS may follow: the output is complete."""
+        return self.matcher.is_stopped() and not self.matcher.is_error()
+
+    @property
+    def failed(self) -> bool:
+        """The matcher refused a token: the output no longer meets the constraint."""
+        return self.matcher.is_error()
 
 
 class GrammarCompiler:
@@ -128,7 +136,9 @@ def _json_tokenizer(backend: Backend, n_vocab: int, eos: list[int]) -> LLTokeniz
 class _Encode(TokenizerWrapper):
     """The tokenizer LLTokenizer takes from Python (TokenizerWrapper's attributes): the token table, EOS, and
     `__call__` (text → ids; llguidance tokenizes forced text with it while computing masks): the `tokenizers`
-    model's encoding, as llguidance's own reader calls it (`encode(text, add_special_tokens=False)`)."""
+    model's encoding, as llguidance's own reader calls it (`encode(text, add_special_tokens=False)`), except that
+    text spelling a special token ("<tool_call>", "<|im_start|>") stays text: the table marks special tokens
+    (0xFF first) so no grammar accepts them, and a forced special token left the matcher in error."""
 
     def __init__(self, backend: Backend, eos: list[int], tokens: list[bytes]) -> None:
         # not TokenizerWrapper.__init__, which wraps another tokenizer object: the attributes LLTokenizer reads
@@ -137,10 +147,22 @@ class _Encode(TokenizerWrapper):
         self.eos_token_id = eos[0]
         self.bos_token_id = None
         self.special_token_ids: list[int] = []  # the table marks them itself (0xFF first)
-        self._encode = backend.encode
+        self._backend = backend
+        self._marked = frozenset(i for i, t in enumerate(tokens) if t.startswith(_SPECIAL))
 
     def __call__(self, text: str) -> list[int]:
-        return self._encode(text, add_special_tokens=False).ids
+        enc = self._backend.encode(text, add_special_tokens=False)
+        if self._marked.isdisjoint(enc.ids):
+            return enc.ids
+        return [t for i, (start, end) in zip(enc.ids, enc.offsets)
+                for t in (self._plain(text[start:end]) if i in self._marked else (i,))]
+
+    def _plain(self, text: str) -> list[int]:
+        """text through normalizer, pre-tokenizer and model, none of the added tokens matched."""
+        b = self._backend
+        text = b.normalizer.normalize_str(text) if b.normalizer else text
+        pieces = b.pre_tokenizer.pre_tokenize_str(text) if b.pre_tokenizer else [(text, None)]
+        return [t.id for piece, _ in pieces for t in b.model.tokenize(piece)]
 
 
 _SPECIAL = b"\xff"  # llguidance's TokTrie::SPECIAL_TOKEN_MARKER, first byte of a special token's entry

@@ -312,12 +312,14 @@ class Scheduler:
 
     def _stop_reason(self, req: Request, tok: int) -> str | None:
         p = req.params
+        if req.grammar is not None and req.grammar.failed:  # not "stop": the output breaks its constraint
+            return "abort"
         if not p.ignore_eos and tok in req.eos_token_ids:
             return "stop"
         if tok in p.stop_token_ids:
             req.stop_reason = tok
             return "stop"
-        if req.grammar is not None and req.grammar.terminated:  # the structured output is complete
+        if req.grammar is not None and req.grammar.complete:
             return "stop"
         if len(req.output_token_ids) >= p.max_tokens or req.num_tokens >= self.config.max_model_len:
             return "length"
