@@ -220,3 +220,22 @@ def test_generate_structured_outputs(capsys):
                            "--temperature", "0", "--structured-outputs", '{"choice": ["yes", "no"]}', "--json")
     obj = json.loads(out)
     assert code == 0 and obj["text"] in ("yes", "no") and obj["finish_reason"] == "stop"
+
+
+@pytest.mark.parametrize("flag,value,fragment", [
+    ("--max-model-len", "-1", "max_model_len must be positive"),
+    ("--num-kv-blocks", "-1", "num_kv_blocks must be positive"),
+    ("--threads", "-3", "threads must be positive"),
+    ("--kv-memory", "-1", "kv_memory_gib must be positive"),
+])
+def test_bad_engine_sizes(capsys, flag, value, fragment):
+    code, _, err = run_cli(capsys, "generate", "--prompt", "Hi", "--max-tokens", "3", flag, value)
+    assert_one_line_error(code, err, fragment)
+
+
+@pytest.mark.real_model
+def test_max_model_len_above_the_models_context(capsys):
+    """Refused, naming both numbers, as vLLM does; not silently capped at the model's 8192."""
+    code, _, err = run_cli(capsys, "generate", "--prompt", "Hi", "--max-tokens", "3", "--max-model-len", "100000")
+    assert_one_line_error(code, err, "max_model_len 100000 exceeds the model's context of 8192 tokens")
+

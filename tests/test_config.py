@@ -27,3 +27,24 @@ def test_other_names_are_one_clear_error(kw, fragment):
     with pytest.raises(TokenhaulError) as e:
         engine_config("smollm2-135m", **kw)
     assert fragment in str(e.value) and "\n" not in str(e.value)
+
+
+@pytest.mark.parametrize("kw,fragment", [
+    (dict(threads=-1), "threads must be positive, got -1"),
+    (dict(threads=0), "threads must be positive, got 0"),
+    (dict(max_model_len=-5), "max_model_len must be positive, got -5"),
+    (dict(num_kv_blocks=-2), "num_kv_blocks must be positive, got -2"),
+    (dict(kv_memory_gib=-1.0), "kv_memory_gib must be positive, got -1.0"),
+    (dict(kv_memory_gib=float("nan")), "kv_memory_gib must be positive, got nan"),
+    (dict(block_size=0), "block_size must be positive, got 0"),
+])
+def test_bad_sizes_are_one_clear_error(kw, fragment):
+    """Refused here, before rope, the KV cache or torch.set_num_threads raise a RuntimeError on them."""
+    with pytest.raises(TokenhaulError) as e:
+        engine_config("smollm2-135m", **kw)
+    assert fragment in str(e.value) and "\n" not in str(e.value)
+
+
+def test_any_block_size_is_accepted():
+    """The kernels take any block size (blocks of 16 only pick the int8-query path), so 7 is not refused."""
+    assert engine_config("smollm2-135m", block_size=7).block_size == 7

@@ -11,6 +11,7 @@ from tokenhaul.errors import TokenhaulError
 from tokenhaul.layers.quantization import QuantSpec
 
 DTYPES = {"fp32": torch.float32, "float32": torch.float32, "bf16": torch.bfloat16, "bfloat16": torch.bfloat16}
+DEFAULT_MAX_MODEL_LEN = 8192  # capped at a shorter model's context; a length set above the model's is an error
 KV_DTYPES = {"auto": None, "fp32": torch.float32, "bf16": torch.bfloat16, "int8": torch.int8}  # auto: as --dtype
 
 
@@ -24,7 +25,7 @@ class EngineConfig:
     num_kv_blocks: int | None = None  # overrides kv_memory_gib
     max_num_batched_tokens: int = 512
     max_num_seqs: int = 64
-    max_model_len: int = 8192
+    max_model_len: int = DEFAULT_MAX_MODEL_LEN
     enable_prefix_caching: bool = True
     threads: int | None = None
     draft_model: str | None = None  # alias or GGUF path of a draft model sharing the target's vocabulary
@@ -55,8 +56,12 @@ class EngineConfig:
             QuantSpec.parse(self.draft_quant)
         except TokenhaulError as e:
             raise TokenhaulError(f"--draft-quantization: {e}") from None
-        if self.block_size <= 0 or self.max_num_batched_tokens <= 0 or self.max_num_seqs <= 0:
-            raise TokenhaulError("block_size, max_num_batched_tokens and max_num_seqs must be positive")
+        sizes = {"block_size": self.block_size, "max_num_batched_tokens": self.max_num_batched_tokens,
+                 "max_num_seqs": self.max_num_seqs, "max_model_len": self.max_model_len,
+                 "kv_memory_gib": self.kv_memory_gib, "num_kv_blocks": self.num_kv_blocks, "threads": self.threads}
+        for name, value in sizes.items():  # None: unset (kv_memory_gib decides, torch's thread count)
+            if value is not None and not 0 < value < float("inf"):  # NaN too
+                raise TokenhaulError(f"{name} must be positive, got {value}")
         if self.deterministic and self.sparsity:
             raise TokenhaulError("--deterministic cannot be combined with --sparsity (its kernel changes with the "
                                  "number of rows)")

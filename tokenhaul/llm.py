@@ -9,7 +9,7 @@ from typing import Any
 import torch
 from tqdm import tqdm
 
-from tokenhaul.config import engine_config
+from tokenhaul.config import DEFAULT_MAX_MODEL_LEN, engine_config
 from tokenhaul.decoding.grammar import GrammarCompiler
 from tokenhaul.engine.core import EngineCore
 from tokenhaul.engine.heap import frozen_heap
@@ -44,6 +44,11 @@ class LLM:
         self.model = load_model(self.files.gguf_path, self.config.torch_dtype, self.config.device,
                                 self.config.max_model_len, self.config.quantization,
                                 self.files.cache_dir, self.config.deterministic)  # first: rejects unsupported archs
+        context = self.model.config.max_position
+        if self.config.max_model_len > context and self.config.max_model_len != DEFAULT_MAX_MODEL_LEN:
+            # as vLLM: a length the model was not trained for is refused, not capped silently (the default is capped)
+            raise ModelError(f"max_model_len {self.config.max_model_len} exceeds the model's context of {context} "
+                             f"tokens; give at most {context}")
         self.tokenizer = Tokenizer.from_gguf(self.files.gguf_path, self.files.cache_dir, self.files.name)
         self.draft_model, draft_dense = self._load_draft(self.config.draft_model) if self.config.draft_model else (
             None, None)
