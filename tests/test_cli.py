@@ -239,3 +239,54 @@ def test_max_model_len_above_the_models_context(capsys):
     code, _, err = run_cli(capsys, "generate", "--prompt", "Hi", "--max-tokens", "3", "--max-model-len", "100000")
     assert_one_line_error(code, err, "max_model_len 100000 exceeds the model's context of 8192 tokens")
 
+
+@pytest.mark.parametrize("where", ["file", "/proc/nope/x"])
+def test_trace_out_must_be_a_writable_directory(capsys, tmp_path, monkeypatch, where):
+    """Checked before the model loads: LLM is never built."""
+    import tokenhaul.llm
+
+    monkeypatch.setattr(tokenhaul.llm, "LLM", lambda *a, **k: pytest.fail("the model was loaded"))
+    out = tmp_path / "trace.json" if where == "file" else where
+    if where == "file":
+        out.write_text("{}")
+    code, _, err = run_cli(capsys, "trace", "--prompt", "hi", "--out", str(out))
+    assert_one_line_error(code, err, f"--out {out}: ")
+
+
+def test_eval_ppl_stride_follows_the_window(monkeypatch):
+    """Unset --stride is half the window (256 for the default 512), so --window 128 alone is valid."""
+    from tokenhaul.cli import build_parser
+    from tokenhaul.cli.eval_ppl import resolve_stride
+
+    parse = build_parser().parse_args
+    assert resolve_stride(parse(["eval", "ppl"])) == 256
+    assert resolve_stride(parse(["eval", "ppl", "--window", "128"])) == 64
+    assert resolve_stride(parse(["eval", "ppl", "--window", "128", "--stride", "128"])) == 128
+
+
+def test_eval_ppl_bad_stride_is_named(capsys):
+    code, _, err = run_cli(capsys, "eval", "ppl", "--window", "128", "--stride", "256")
+    assert_one_line_error(code, err, "--stride")
+
+
+@pytest.mark.parametrize("args,fragment", [
+    (["--num-requests", "0"], "--num-requests must be at least 1, got 0"),
+    (["--rate", "-1"], "--rate must be > 0 requests/s (default inf), got -1"),
+    (["--rate", "0"], "--rate must be > 0"),
+    (["--concurrency", "0"], "--concurrency must be at least 1, got 0"),
+])
+def test_bench_serve_bad_arguments_before_connecting(capsys, args, fragment):
+    code, _, err = run_cli(capsys, "bench", "serve", "--url", "http://127.0.0.1:1", *args)
+    assert_one_line_error(code, err, fragment)
+    assert "cannot reach" not in err
+
+
+def test_token_id_flags_take_commas_or_repeats():
+    """vLLM's comma form (--stop-token-ids 30,198) and the repeated flag, alone or mixed."""
+    from tokenhaul.cli import build_parser, sampling_params
+
+    parse = build_parser().parse_args
+    assert sampling_params(parse(["generate", "--prompt", "x", "--stop-token-ids", "30,198"])).stop_token_ids == [
+        30, 198]
+    args = parse(["generate", "--prompt", "x", "--stop-token-ids", "30", "--stop-token-ids", "198,7"])
+    assert sampling_params(args).stop_token_ids == [30, 198, 7]

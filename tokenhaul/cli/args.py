@@ -77,13 +77,19 @@ def add_sampling_args(p: argparse.ArgumentParser) -> None:
             p.add_argument(flag, action="append", default=None, metavar="ID=VALUE",
                            help="token id = bias in [-100, 100] added to its logit (e.g. 42=-100 bans token 42); "
                                 "repeat the flag for several ids")
-        elif isinstance(default, list) or f.name == "allowed_token_ids":
-            elem = int if f.name.endswith("_ids") else str
-            p.add_argument(flag, type=elem, action="append", default=None,
-                           help="repeat the flag for several values")
+        elif f.name.endswith("_ids"):  # vLLM's comma form (30,198) or the flag repeated
+            p.add_argument(flag, type=token_ids, action="extend", default=None, metavar="ID[,ID...]",
+                           help="comma-separated token ids, or repeat the flag")
+        elif isinstance(default, list):
+            p.add_argument(flag, action="append", default=None, help="repeat the flag for several values")
         else:
             typ = float if isinstance(default, float) else str if isinstance(default, str) else int
             p.add_argument(flag, type=typ, default=default)
+
+
+def token_ids(text: str) -> list[int]:
+    """'30,198' → [30, 198] (argparse reports a malformed value)."""
+    return [int(t) for t in text.split(",")]
 
 
 def _json_object(text: str) -> dict:

@@ -44,9 +44,20 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--json", default=None, metavar="PATH", help="also write the summary as JSON ('-' = stdout)")
 
 
+def check_serve_args(args: argparse.Namespace) -> None:
+    """Refuse arguments no run can use before any connection (else they surface as 'cannot reach' or a hang)."""
+    if args.num_requests < 1:
+        raise TokenhaulError(f"--num-requests must be at least 1, got {args.num_requests}")
+    if not args.rate > 0:  # NaN too
+        raise TokenhaulError(f"--rate must be > 0 requests/s (default inf), got {args.rate:g}")
+    if args.concurrency is not None and args.concurrency < 1:
+        raise TokenhaulError(f"--concurrency must be at least 1, got {args.concurrency}")
+
+
 def cmd_bench_serve(args: argparse.Namespace) -> None:
     from tokenhaul.bench.loadgen import base_url, benchmark, file_dataset, format_table, mixed_dataset, random_dataset
 
+    check_serve_args(args)
     if args.concurrency is None and not math.isfinite(args.rate):
         print("note: neither --concurrency nor --rate given: all requests are sent at once", file=sys.stderr)
     if args.dataset == "random":

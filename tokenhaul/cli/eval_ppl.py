@@ -17,7 +17,7 @@ def add_parsers(sub: argparse._SubParsersAction) -> None:
     ep.add_argument("--corpus", default=None, help="a UTF-8 text file (default: the shipped corpus)")
     ep.add_argument("--max-tokens", type=int, default=None, help="cap on scored tokens (split across parts)")
     ep.add_argument("--window", type=int, default=512, help="context window per chunk")
-    ep.add_argument("--stride", type=int, default=256, help="tokens between window starts")
+    ep.add_argument("--stride", type=int, default=None, help="tokens between window starts (default: half the window)")
     ep.add_argument("--decode-tail", type=int, default=0,
                     help="each window's last N tokens enter as one-token decode steps (generation's path: the decode "
                          "attention kernel reading the KV cache, the compiled step), the rest as one prefill chunk")
@@ -25,12 +25,20 @@ def add_parsers(sub: argparse._SubParsersAction) -> None:
     ep.set_defaults(func=cmd_eval_ppl)
 
 
+def resolve_stride(args: argparse.Namespace) -> int:
+    """--stride, or half the window when not given (256 for the default window of 512)."""
+    return args.window // 2 if args.stride is None else args.stride
+
+
 def cmd_eval_ppl(args: argparse.Namespace) -> None:
     from tokenhaul.eval.perplexity import evaluate
     from tokenhaul.llm import LLM
 
-    if args.window < 2 or not 0 < args.stride <= args.window:
-        raise TokenhaulError("--window must be >= 2 and 0 < --stride <= --window")
+    if args.window < 2:
+        raise TokenhaulError(f"--window must be >= 2, got {args.window}")
+    stride = resolve_stride(args)
+    if not 0 < stride <= args.window:
+        raise TokenhaulError(f"--stride must be in 1..--window ({args.window}), got {stride}")
     if args.max_tokens is not None and args.max_tokens < 2:
         raise TokenhaulError("--max-tokens must be >= 2")
     if not 0 <= args.decode_tail < args.window:
@@ -40,7 +48,7 @@ def cmd_eval_ppl(args: argparse.Namespace) -> None:
     llm = LLM(args.model, **kw)
     res = {"model": llm.files.name, "quantization": args.quantization, "dtype": args.dtype, "kv_dtype": args.kv_dtype,
            "decode_tail": args.decode_tail,
-           **evaluate(llm, args.corpus, args.max_tokens, args.window, args.stride, args.decode_tail)}
+           **evaluate(llm, args.corpus, args.max_tokens, args.window, stride, args.decode_tail)}
     if args.json:
         print(json.dumps(res))
         return

@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import os
 from pathlib import Path
 
 from tokenhaul.cli.args import add_engine_args, add_sampling_args, engine_kwargs, sampling_params
@@ -25,13 +26,26 @@ def add_parsers(sub: argparse._SubParsersAction) -> None:
     t.set_defaults(func=cmd_trace)
 
 
+def out_dir(path: str) -> Path:
+    """--out as a directory this process can write into (made if missing), checked before any work is done."""
+    out = Path(path)
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+    except OSError as e:  # FileExistsError: a file of that name; else a missing or unwritable parent
+        raise TokenhaulError(f"--out {out}: cannot be made a directory for the trace files ({e.strerror})") from None
+    if not os.access(out, os.W_OK | os.X_OK):
+        raise TokenhaulError(f"--out {out}: the directory is not writable")
+    return out
+
+
 def cmd_trace(args: argparse.Namespace) -> None:
     if args.url:
-        return trace_server(args.url, Path(args.out))
+        return trace_server(args.url, out_dir(args.out))
     if not args.prompt:
         raise TokenhaulError("trace needs --prompt (or --url of a running server)")
     if args.concurrency < 1:
         raise TokenhaulError(f"--concurrency must be at least 1, got {args.concurrency}")
+    out = out_dir(args.out)
     from tokenhaul.ledger.perfetto import write_trace
     from tokenhaul.ledger.report import text_report, write_report
     from tokenhaul.llm import LLM
@@ -47,7 +61,6 @@ def cmd_trace(args: argparse.Namespace) -> None:
     else:
         outs = llm.generate(prompts, params)
     ledger = outs[0].ledger
-    out = Path(args.out)
     trace = write_trace(ledger, out / "trace.json")
     title = f"tokenhaul ledger: {options_line(llm)}, {args.concurrency} concurrent"
     report = write_report(ledger, out / "report.html", roof, title)
