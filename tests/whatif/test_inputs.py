@@ -118,9 +118,16 @@ def test_trace_steps_replay_through_the_model(tmp_path):
     assert r.returncode == 0, r.stderr
     records = [json.loads(line) for line in (tmp_path / "steps.jsonl").read_text().splitlines()]
     assert len(records) >= 4 and all(r["chunks"] and r["stage_seconds"] for r in records)
-    r = _cli("--model", "smollm2-135m", "--hardware", "h100", "--replay", str(tmp_path / "steps.jsonl"))
+    # the run's options beside the steps (SmolLM2's default: its GGUF's 4-bit blocks kept packed), taken by the
+    # replay unless given
+    assert json.loads((tmp_path / "run.json").read_text()) == {
+        "model": "smollm2-135m", "quantization": "int4", "kv_dtype": "bf16", "sparsity": 0.0}
+    r = _cli("--hardware", "h100", "--replay", str(tmp_path / "steps.jsonl"))
     assert r.returncode == 0, r.stderr
     assert "prefill: 1 steps" in r.stdout and "decode: 3 steps" in r.stdout
+    assert "(smollm2-135m, int4 weights, bf16 KV, sparsity 0)" in r.stdout
+    r = _cli("--hardware", "h100", "--quantization", "int8", "--replay", str(tmp_path / "steps.jsonl"))
+    assert "(smollm2-135m, int8 weights, bf16 KV, sparsity 0)" in r.stdout
 
 
 @pytest.mark.real_model

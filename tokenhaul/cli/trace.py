@@ -68,9 +68,20 @@ def cmd_trace(args: argparse.Namespace) -> None:
     with steps.open("w") as f:  # the step records, so the run can be replayed through the what-if model
         for s in ledger.steps:
             f.write(json.dumps(dataclasses.asdict(s.record)) + "\n")
+    (out / "run.json").write_text(json.dumps(run_options(llm, args.model)))  # whatif --replay reads it
     print(f"options: {options_line(llm)}")
     print(text_report(ledger, roof))
     print(f"\ntrace:  {trace}  (open in https://ui.perfetto.dev)\nreport: {report}\nsteps:  {steps}")
+
+
+def run_options(llm, model: str) -> dict:
+    """The traced run's model and byte options in the what-if model's terms: the weights' most common storage
+    format (a dense one named by its dtype), the KV cache's dtype, the sparsity."""
+    c = llm.config
+    fmt = max(llm.costs.weight_formats, key=lambda f: f[1])[0] if llm.costs.weight_formats else "dense"
+    kv = {"float32": "fp32", "bfloat16": "bf16", "int8": "int8"}[str(c.kv_torch_dtype).removeprefix("torch.")]
+    return {"model": model, "quantization": c.dtype if fmt == "dense" else fmt, "kv_dtype": kv,
+            "sparsity": c.sparsity}
 
 
 def trace_server(url: str, out: Path) -> None:

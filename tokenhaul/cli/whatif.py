@@ -13,21 +13,22 @@ from tokenhaul.models import catalog
 
 def add_parsers(sub: argparse._SubParsersAction) -> None:
     w = sub.add_parser("whatif", help="predict a workload on hardware you do not have (analytic, calibrated here)")
-    w.add_argument("--model", default=catalog.DEFAULT_MODEL,
-                   help="catalog alias, GGUF file, or a transformers config.json (need not be installed)")
+    w.add_argument("--model", default=None, help="catalog alias, GGUF file, or a transformers config.json (need "
+                   f"not be installed; default {catalog.DEFAULT_MODEL}, or with --replay the traced run's)")
     w.add_argument("--hardware", default="this-machine", help="profile name (whatif/hardware/*.toml) or a .toml path")
     w.add_argument("--compare", default=None, help="profiles side by side, e.g. h100,groq-lpu,hbm-pim")
     w.add_argument("--batch", type=int, default=1)
     w.add_argument("--context", type=int, default=512, help="prompt tokens per sequence")
     w.add_argument("--new-tokens", type=int, default=128)
-    w.add_argument("--quantization", default="bf16", help="weights: fp32, bf16, fp8, int8, int4")
-    w.add_argument("--kv-dtype", default="bf16", help="KV cache: fp32, bf16, fp8, int8")
-    w.add_argument("--sparsity", type=float, default=0.0, help="share of FFN neurons skipped per token")
+    w.add_argument("--quantization", default=None, help="weights: fp32, bf16 (default), fp8, int8, int4")
+    w.add_argument("--kv-dtype", default=None, help="KV cache: fp32, bf16 (default), fp8, int8")
+    w.add_argument("--sparsity", type=float, default=None, help="share of FFN neurons skipped per token (0)")
     w.add_argument("--decoding", default="greedy", help="greedy | speculative:k=4,a=0.7[,draft=MODEL]")
     w.add_argument("--max-batched-tokens", type=int, default=512)
     w.add_argument("--json", action="store_true", help="print one JSON object (a list with --compare)")
     w.add_argument("--plots", default=None, help="directory for roofline.png, batch.png, context.png")
-    w.add_argument("--replay", default=None, help="steps.jsonl from `tokenhaul trace`: predicted vs measured per step")
+    w.add_argument("--replay", default=None, help="steps.jsonl from `tokenhaul trace`: predicted vs measured per "
+                   "step (model, quantization, KV dtype and sparsity from the run.json beside it, unless given)")
     w.set_defaults(func=cmd_whatif)
 
 
@@ -37,9 +38,10 @@ def cmd_whatif(args: argparse.Namespace) -> None:
     from tokenhaul.whatif.modelspec import load_model_config
     from tokenhaul.whatif.workload import Workload, parse_decoding, predict
 
-    name, cfg = load_model_config(args.model)
-    w = Workload(name, cfg, args.batch, args.context, args.new_tokens, args.quantization, args.kv_dtype,
-                 args.sparsity, parse_decoding(args.decoding), args.max_batched_tokens)
+    o = workload_options(args)
+    name, cfg = load_model_config(o["model"])
+    w = Workload(name, cfg, args.batch, args.context, args.new_tokens, o["quantization"], o["kv_dtype"],
+                 o["sparsity"], parse_decoding(args.decoding), args.max_batched_tokens)
     if args.replay:
         from tokenhaul.whatif.replay import replay
 
@@ -61,3 +63,13 @@ def cmd_whatif(args: argparse.Namespace) -> None:
     if args.plots:
         paths = report.plots(preds, Path(args.plots))
         print("plots: " + ", ".join(map(str, paths)), file=sys.stderr)
+
+
+def workload_options(args: argparse.Namespace) -> dict:
+    """Model, quantization, KV dtype and sparsity: as given, else (with --replay) the traced run's from the run.json
+    `tokenhaul trace` writes beside steps.jsonl, else the defaults."""
+    given = {k: getattr(args, k) for k in ("model", "quantization", "kv_dtype", "sparsity")}
+    run = Path(args.replay).with_name("run.json") if args.replay else None
+    traced = json.loads(run.read_text()) if run is not None and run.is_file() else {}
+    defaults = {"model": catalog.DEFAULT_MODEL, "quantization": "bf16", "kv_dtype": "bf16", "sparsity": 0.0}
+    return {k: v if v is not None else traced.get(k, defaults[k]) for k, v in given.items()}

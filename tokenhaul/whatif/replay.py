@@ -28,7 +28,8 @@ def replay(path: Path, w: Workload, hw: Hardware) -> str:
         t[0] += 1
         t[1] += sum(r["stage_seconds"].values())
         t[2] += st.seconds
-    lines = [f"replay of {len(records)} steps on {hw.name}:"]
+    lines = [f"replay of {len(records)} steps on {hw.name} ({w.name}, {w.quantization} weights, {w.kv_dtype} KV, "
+             f"sparsity {w.sparsity:g}):"]
     for phase, (n, meas, pred) in totals.items():
         if n:
             lines.append(f"  {phase}: {n} steps, measured {meas:.4g} s, predicted {pred:.4g} s "
