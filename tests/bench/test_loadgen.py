@@ -44,3 +44,27 @@ def test_bench_serve_without_a_server_is_one_error_line_and_fails(capsys, extra)
     assert e.value.code not in (0, None)
     err = capsys.readouterr().err
     assert "Traceback" not in err and ("cannot reach" in err or "requests failed" in err)
+
+
+def _ledger(where: str, steps: int, computed: int, **kw: int) -> dict:
+    from tokenhaul.bench.loadgen.scrape import _COUNTERS
+
+    rep = dict.fromkeys(_COUNTERS, 0) | {"steps": steps, "prompt_tokens_computed": computed,
+                                        "kv_bytes_per_token": 100, "where": where} | kw
+    return {"replicas": {"0": rep}, "routing": {}}
+
+
+@pytest.mark.parametrize("after", [
+    _ledger("node a pid 2", 168, 110),  # restarted (another pid), and stepped past the count before
+    _ledger("node a pid 1", 168, 110),  # the same pid again: a counter that went down still tells
+], ids=["new-pid", "counter-down"])
+def test_ledger_figures_count_a_restarted_replica_from_zero(after):
+    """A replica restarted between the scrapes: its ledger began again, so its figures are its new ledger's, never
+    a negative difference (computed -690) with the old one's."""
+    from tokenhaul.bench.loadgen import ledger_figures
+
+    per, total = ledger_figures(_ledger("node a pid 1", 3, 800, finished_prompt_tokens=900), after)
+    assert per["0"]["prompt_tokens_computed"] == total["prompt_tokens_computed"] == 110
+    assert per["0"]["engine_steps"] == 168 and per["0"]["prefix_hit_rate"] is None
+    same = ledger_figures(_ledger("node a pid 1", 3, 80), _ledger("node a pid 1", 168, 110))[1]
+    assert same["prompt_tokens_computed"] == 30 and same["engine_steps"] == 165

@@ -57,7 +57,7 @@ def ledger_figures(before: dict[str, Any], after: dict[str, Any]) -> tuple[dict[
     kv_per_token = 0
     for name, a in after["replicas"].items():
         b = before["replicas"].get(name)
-        if b is None or b["steps"] > a["steps"]:  # new, or restarted meanwhile: its ledger began again
+        if b is None or _restarted(b, a):  # new, or restarted meanwhile: its ledger began again
             b = dict.fromkeys(_COUNTERS, 0)
         d = {k: a[k] - b[k] for k in _COUNTERS}
         kv_per_token = a["kv_bytes_per_token"]
@@ -69,6 +69,12 @@ def ledger_figures(before: dict[str, Any], after: dict[str, Any]) -> tuple[dict[
     if "duplicate_prefix_tokens" in after["routing"]:
         out["duplicate_prefix"] = {"tokens": dup, "kv_bytes": dup * kv_per_token}
     return per, out
+
+
+def _restarted(before: dict[str, Any], after: dict[str, Any]) -> bool:
+    """Whether a replica's ledger began again between two scrapes: it runs elsewhere now (`where` names its node and
+    pid; an in-process core has none) or, the same pid again, any of its counters went down."""
+    return before.get("where") != after.get("where") or any(before[k] > after[k] for k in _COUNTERS)
 
 
 def _ledger_row(d: dict[str, int], kv_per_token: int) -> dict[str, Any]:
