@@ -68,3 +68,27 @@ def test_ledger_figures_count_a_restarted_replica_from_zero(after):
     assert per["0"]["engine_steps"] == 168 and per["0"]["prefix_hit_rate"] is None
     same = ledger_figures(_ledger("node a pid 1", 3, 80), _ledger("node a pid 1", 168, 110))[1]
     assert same["prompt_tokens_computed"] == 30 and same["engine_steps"] == 165
+
+
+def test_bench_serve_scrapes_the_server_after_the_warmup(monkeypatch):
+    """The server-side figures (ledger, last mile) leave the warmup requests out, as --warmup says: the "before"
+    scrapes come after the warmup, the "after" ones after the measured requests."""
+    from tokenhaul.bench.loadgen import client, run
+    from tokenhaul.bench.loadgen.datasets import PromptSpec
+
+    events = []
+
+    async def one(c, url, body):
+        events.append(f"request {body['max_tokens']}")
+        return RequestResult(ok=True, e2e=0.1, ttft=0.05, output_tokens=1)
+
+    async def scrape(url):
+        events.append("scrape")
+
+    monkeypatch.setattr(client, "_one", one)
+    monkeypatch.setattr(run, "scrape_last_mile", scrape)
+    monkeypatch.setattr(run, "scrape_ledger", scrape)
+    specs = [PromptSpec(f"p{i}", 16) for i in range(3)]
+    run.benchmark("http://127.0.0.1:9", specs, model="m", warmup=2)
+    assert events == ["request 4"] * 2 + ["scrape"] * 2 + ["request 16"] * 3 + ["scrape"] * 2
+

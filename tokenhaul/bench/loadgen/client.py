@@ -7,6 +7,7 @@ import json
 import math
 import random
 import time
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 
 import httpx
@@ -82,8 +83,10 @@ async def _one(client: httpx.AsyncClient, url: str, body: dict) -> RequestResult
 
 async def run_load(url: str, specs: list[PromptSpec], model: str | None = None, concurrency: int | None = None,
                    rate: float = math.inf, seed: int = 0, temperature: float = 0.0, ignore_eos: bool = True,
-                   extra_body: dict | None = None, warmup: int = 1) -> tuple[list[RequestResult], float, str]:
-    """Send every spec; returns (results in send order, wall seconds of the measured run, model)."""
+                   extra_body: dict | None = None, warmup: int = 1,
+                   after_warmup: Callable[[], Awaitable[None]] | None = None) -> tuple[list[RequestResult], float, str]:
+    """Send every spec, after `warmup` short ones and then `after_warmup` (awaited); returns (results in send order,
+    wall seconds of the measured run, model)."""
     url = base_url(url)
     limit = concurrency or len(specs)
     limits = httpx.Limits(max_connections=limit + 4, max_keepalive_connections=limit + 4)
@@ -98,6 +101,8 @@ async def run_load(url: str, specs: list[PromptSpec], model: str | None = None, 
 
         for s in specs[:warmup]:
             await _one(client, url, body(PromptSpec(s.prompt, min(s.max_tokens, 4))))
+        if after_warmup is not None:
+            await after_warmup()
         sem = asyncio.Semaphore(limit)
         rng = random.Random(seed)
 

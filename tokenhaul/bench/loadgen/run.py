@@ -1,4 +1,4 @@
-"""One benchmark: scrape the server, run the load, summarize, scrape again and add what the server counted."""
+"""One benchmark: warm up, scrape the server, run the load, summarize, scrape again and add what the server counted."""
 
 from __future__ import annotations
 
@@ -17,8 +17,13 @@ def benchmark(url: str, specs: list[PromptSpec], slo_ttft_ms: float | None = Non
     """Run the load and summarize (blocking); kw go to run_load."""
 
     async def go() -> dict[str, Any]:
-        before, led0 = await scrape_last_mile(url), await scrape_ledger(url)
-        results, wall, model = await run_load(url, specs, **kw)
+        before = led0 = None
+
+        async def scrape_before() -> None:  # after the warmup, which is not counted
+            nonlocal before, led0
+            before, led0 = await scrape_last_mile(url), await scrape_ledger(url)
+
+        results, wall, model = await run_load(url, specs, after_warmup=scrape_before, **kw)
         s = summarize(results, wall, slo_ttft_ms, slo_tpot_ms, slo_e2e_ms, slo_itl_ms)
         after, led1 = await scrape_last_mile(url), await scrape_ledger(url)
         if led0 and led1 and led1["replicas"]:  # a server whose cores keep no ledger lists none
