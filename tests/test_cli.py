@@ -290,3 +290,33 @@ def test_token_id_flags_take_commas_or_repeats():
         30, 198]
     args = parse(["generate", "--prompt", "x", "--stop-token-ids", "30", "--stop-token-ids", "198,7"])
     assert sampling_params(args).stop_token_ids == [30, 198, 7]
+
+
+
+class _Ran(Exception):
+    pass
+
+
+@pytest.mark.parametrize("concurrency, ran", [(1, ["long", "Hi"]), (3, ["long", "Hi", "long"])])
+def test_trace_runs_every_prompt(capsys, tmp_path, monkeypatch, concurrency, ran):
+    """Every --prompt runs: as many requests together as the larger of --concurrency and the prompts given,
+    the prompts cycling when --concurrency is larger."""
+    import tokenhaul.llm
+    import tokenhaul.whatif.calibrate
+
+    class FakeLLM:
+        costs = dataclasses.make_dataclass("Costs", [("device", str, "cpu")])()
+
+        def __init__(self, *a, **k):
+            pass
+
+        def generate(self, prompts, params):
+            if prompts != "Warm up.":
+                raise _Ran(prompts)
+
+    monkeypatch.setattr(tokenhaul.llm, "LLM", FakeLLM)
+    monkeypatch.setattr(tokenhaul.whatif.calibrate, "machine_roofline", lambda device: None)
+    with pytest.raises(_Ran) as e:
+        run_cli(capsys, "trace", "--prompt", "long", "--prompt", "Hi", "--concurrency", str(concurrency),
+                "--out", str(tmp_path))
+    assert e.value.args[0] == ran

@@ -20,7 +20,8 @@ def add_parsers(sub: argparse._SubParsersAction) -> None:
     add_sampling_args(t)
     t.add_argument("--prompt", action="append", help="repeat for several prompts")
     t.add_argument("--url", default=None, help="instead: save a running server's ledger (all its replicas)")
-    t.add_argument("--concurrency", type=int, default=1, help="requests run together (prompts cycle)")
+    t.add_argument("--concurrency", type=int, default=1, help="requests run together, at least one per --prompt "
+                   "(a larger number cycles the prompts)")
     t.add_argument("--chat", action="store_true", help="apply the model's chat template")
     t.add_argument("--out", required=True, help="directory for trace.json and report.html")
     t.set_defaults(func=cmd_trace)
@@ -55,14 +56,15 @@ def cmd_trace(args: argparse.Namespace) -> None:
     llm = LLM(args.model, **engine_kwargs(args))
     roof = machine_roofline(llm.costs.device)  # measured now if missing, not inside the traced run
     llm.generate("Warm up.", SamplingParams(max_tokens=2))  # first-call costs stay out of the trace
-    prompts = [args.prompt[i % len(args.prompt)] for i in range(args.concurrency)]
+    n = max(args.concurrency, len(args.prompt))  # every prompt runs; a larger --concurrency cycles them
+    prompts = [args.prompt[i % len(args.prompt)] for i in range(n)]
     if args.chat:
         outs = llm.chat([[{"role": "user", "content": p}] for p in prompts], params)
     else:
         outs = llm.generate(prompts, params)
     ledger = outs[0].ledger
     trace = write_trace(ledger, out / "trace.json")
-    title = f"tokenhaul ledger: {options_line(llm)}, {args.concurrency} concurrent"
+    title = f"tokenhaul ledger: {options_line(llm)}, {n} concurrent"
     report = write_report(ledger, out / "report.html", roof, title)
     steps = out / "steps.jsonl"
     with steps.open("w") as f:  # the step records, so the run can be replayed through the what-if model
