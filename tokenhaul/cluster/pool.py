@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import socket
 import threading
 import time
 from dataclasses import dataclass
@@ -32,6 +33,18 @@ def import_ray():
         raise TokenhaulError("--replicas runs engine replicas on Ray, which is not installed: "
                              "pip install 'tokenhaul[ray]'") from None
     return ray
+
+
+def _check_reachable(address: str | None, timeout: float = 5.0) -> None:
+    """Fail at once, in one line, where `address` is a host:port nothing answers at (ray.init would retry for
+    minutes); "auto", ray:// and other forms are left to Ray."""
+    host, _, port = (address or "").rpartition(":")
+    if not host or not port.isdigit() or "/" in host:
+        return
+    try:
+        socket.create_connection((host.strip("[]"), int(port)), timeout=timeout).close()
+    except OSError as e:
+        raise TokenhaulError(f"cannot reach the Ray cluster at --ray-address {address}: {e}") from None
 
 
 @dataclass
@@ -61,6 +74,7 @@ class ReplicaPool(EngineClient):
         self._stop_lock = threading.Lock()
         self._own_ray = not ray.is_initialized()
         if self._own_ray:
+            _check_reachable(address)
             # a local instance: CPUs for the replicas, and no Ray OOM killer (on a crowded node it picks the
             # youngest workers, the replicas loading their model, whoever holds the memory; the kernel's stays)
             local = {} if address else {"num_cpus": replicas * threads,
