@@ -23,6 +23,7 @@ def test_snapshot_counts_prefix_misses_and_names_steps(ledger_core):
         core.step()
     s = cl.snapshot(since=first["last_step"])
     assert s["steps"] == core.num_steps and s["generated_tokens"] == 6
+    assert s["decode_tokens"] == 4  # the tokens decode_tokens_per_s counts: not the first, sampled at prefill
     assert (s["finished_prompt_tokens"], s["finished_cached_tokens"]) == (36, 16)
     miss = s["prefix_miss"]
     assert miss["tokens"] == 20 and miss["kv_bytes"] == 20 * led.costs.kv_bytes_per_token

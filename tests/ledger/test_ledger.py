@@ -194,3 +194,29 @@ def test_calibration_measures_a_cache_resident_pass(monkeypatch):
     assert entry["resident_bytes"] == 4 << 20 and entry["resident_gb_per_s"] > 0
     roof = calibrate._roofline("k", entry)
     assert roof.resident_bytes == 4 << 20 and roof.resident_bandwidth == entry["resident_gb_per_s"] * 1e9
+
+
+def test_decode_count_and_rate_cover_the_same_tokens(ledger_core):
+    """The headline's decode figure counts the tokens its rate divides (those of decode steps); the first
+    tokens, sampled in prefill steps, are in the total generated, not in the decode count."""
+    core, ledger = ledger_core()
+    run(core, ledger, 3)
+    s = ledger.summary(ROOF)
+    assert s["generated_tokens"] == 30 and s["decode_tokens"] == ledger.decode.sampled == 27
+    assert s["decode_tokens_per_s"] == pytest.approx(27 / ledger.decode.seconds)
+    line = ledger.short_line(ROOF)
+    assert f"30 tok generated: 27 in decode steps @ {s['decode_tokens_per_s']:.1f} tok/s" in line
+    assert "of roofline" in line and "waiting on data" in line
+
+
+def test_no_decode_figures_without_decode_steps(ledger_core):
+    """max_tokens 1: every token is sampled in a prefill step; the line shows no decode rate, bytes per token,
+    roofline or data wait (the prefill's were shown as if they were decode's)."""
+    core, ledger = ledger_core()
+    run(core, ledger, 2, params=SamplingParams(max_tokens=1, temperature=0, ignore_eos=True))
+    assert ledger.decode.steps == 0
+    line = ledger.short_line(ROOF)
+    assert "2 tok generated, no decode steps" in line
+    assert "tok/s |" not in line.split("|", 1)[1]
+    for figure in ("roofline", "waiting on data", "per token", "GB/s"):
+        assert figure not in line, line

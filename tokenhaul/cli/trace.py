@@ -107,8 +107,9 @@ def trace_server(url: str, out: Path) -> None:
     for name, s in led["replicas"].items():
         miss = s["prefix_miss"]
         print(f"replica {name} ({s.get('where', 'in-process')}): {s['steps']} steps | prompt "
-              f"{s['prompt_tokens_computed']} tok computed @ {s['prefill_tokens_per_s']:.0f} tok/s | decode "
-              f"{s['generated_tokens']} tok @ {s['decode_tokens_per_s']:.1f} tok/s | TTFT p50 "
+              f"{s['prompt_tokens_computed']} tok computed @ {s['prefill_tokens_per_s']:.0f} tok/s | "
+              f"{s['generated_tokens']} tok generated: {s['decode_tokens']} in decode steps @ "
+              f"{s['decode_tokens_per_s']:.1f} tok/s | TTFT p50 "
               f"{s['ttft_ms']['p50']:.0f} ms (core side) | prefix misses {miss['tokens']} tok = "
               f"{miss['kv_bytes'] / 1e6:.1f} MB KV, {miss['bytes_moved'] / 1e9:.2f} GB moved")
     if led["routing"]:

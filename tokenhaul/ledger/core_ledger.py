@@ -56,6 +56,7 @@ class CoreLedger:
                 "last_step": lg.steps[-1].record.index if lg.steps else -1,
                 "prompt_tokens_computed": lg.prompt_tokens,  # prompt positions computed (cache hits excluded)
                 "generated_tokens": p.sampled + d.sampled,
+                "decode_tokens": d.sampled,  # of which sampled in decode steps: what decode_tokens_per_s counts
                 "recomputed_tokens": lg.recomputed_tokens,  # lost to preemption, computed again
                 "preemptions": lg.num_preemptions,
                 "engine_seconds": p.seconds + d.seconds,

@@ -289,6 +289,7 @@ class Ledger:
             "steps": self.num_steps,
             "prompt_tokens": self.prompt_tokens,  # computed from prompts (recompute and prefix hits excluded)
             "generated_tokens": p.sampled + d.sampled,
+            "decode_tokens": d.sampled,  # of which sampled in decode steps: the tokens decode_tokens_per_s counts
             "prefill_tokens_per_s": _rate(p.tokens, p.seconds),
             "decode_tokens_per_s": _rate(d.sampled, d.seconds),
             "weight_bytes_per_token": d.costs.weight_bytes / per_tok if d.sampled else 0.0,
@@ -320,14 +321,18 @@ class Ledger:
         }
 
     def short_line(self, roofline: Roofline | None = None) -> str:
+        """One line: prefill rate; tokens generated and the rate of those sampled in decode steps (the first
+        tokens come from prefill steps); decode's bytes per token and roofline position, when there was decode."""
         s = self.summary(roofline)
-        return (f"prefill {s['prompt_tokens']} tok @ {s['prefill_tokens_per_s']:.0f} tok/s | "
-                f"decode {s['generated_tokens']} tok @ {s['decode_tokens_per_s']:.1f} tok/s | "
+        line = (f"prefill {s['prompt_tokens']} tok @ {s['prefill_tokens_per_s']:.0f} tok/s | "
+                f"{s['generated_tokens']} tok generated")
+        if not self.decode.steps:
+            return line + ", no decode steps"
+        return (f"{line}: {s['decode_tokens']} in decode steps @ {s['decode_tokens_per_s']:.1f} tok/s | "
                 f"{s['weight_bytes_per_token'] / 1e6:.0f} MB weights + "
                 f"{s['kv_bytes_per_token'] / 1e6:.2f} MB KV per token | "
                 f"{s['decode_gb_per_s']:.1f} GB/s, {s['roofline_fraction']:.0%} of roofline, "
                 f"waiting on data {s['data_wait_fraction']:.0%} of forward")
-
 
 def percentile(values, q: float) -> float:
     """Nearest-rank percentile (q in [0, 100]); 0.0 for no values."""

@@ -130,8 +130,8 @@ def html_report(ledger: Ledger, roof: Roofline | None = None, title: str = "toke
     wall = sum(sh.values()) or 1.0
     stage_rows = "".join(f"<tr><td>{esc(k)}</td><td>{v * 1e3:.2f}</td><td>{v / wall:.1%}</td></tr>"
                          for k, v in sh.items())
-    keys = ("steps", "prompt_tokens", "generated_tokens", "prefill_tokens_per_s", "decode_tokens_per_s",
-            "weight_bytes_per_token", "kv_bytes_per_token", "flops_per_token", "decode_gb_per_s",
+    keys = ("steps", "prompt_tokens", "generated_tokens", "decode_tokens", "prefill_tokens_per_s",
+            "decode_tokens_per_s", "weight_bytes_per_token", "kv_bytes_per_token", "flops_per_token", "decode_gb_per_s",
             "roofline_fraction", "data_wait_fraction", "preemptions", "recomputed_tokens", "kv_blocks_peak")
     sum_rows = "".join(f"<tr><td>{k}</td><td>{s[k]:,.4g}</td></tr>" for k in keys)
     lat_rows = "".join(f"<tr><td>{k}</td><td>{s[k]['p50']:.3f}</td><td>{s[k]['p99']:.3f}</td>"
