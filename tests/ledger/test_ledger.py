@@ -220,3 +220,21 @@ def test_no_decode_figures_without_decode_steps(ledger_core):
     assert "tok/s |" not in line.split("|", 1)[1]
     for figure in ("roofline", "waiting on data", "per token", "GB/s"):
         assert figure not in line, line
+
+
+def test_kv_blocks_peak_counts_steps_whose_requests_finish(ledger_core):
+    """A step's record counts the blocks left after finished requests freed theirs: with max_tokens 1 every
+    request finishes in its prefill step and the peak read 0. Now it is at least the blocks the step's chunks
+    reach (prompts of 9 and 10 tokens in blocks of 4: 3 + 3), less blocks served from the prefix cache."""
+    core, ledger = ledger_core()
+    run(core, ledger, 2, params=SamplingParams(max_tokens=1, temperature=0, ignore_eos=True))
+    assert core.pool.num_used == 0 and ledger.kv_blocks_peak == 6
+    core, ledger = ledger_core()  # b shares a's 4 cached prompt blocks and finishes in the step it joins
+    shared = list(range(1, 17))
+    core.add_request("a", shared + [20], SamplingParams(max_tokens=4))
+    core.step()
+    core.add_request("b", shared + [30], SamplingParams(max_tokens=1))
+    while core.has_unfinished():
+        core.step()
+    assert ledger.steps[1].record.chunks == [("a", 17, 1), ("b", 16, 1)]
+    assert ledger.kv_blocks_peak == 6  # a's 5 blocks and b's own fifth, the shared 4 counted once
