@@ -238,3 +238,26 @@ def test_kv_blocks_peak_counts_steps_whose_requests_finish(ledger_core):
         core.step()
     assert ledger.steps[1].record.chunks == [("a", 17, 1), ("b", 16, 1)]
     assert ledger.kv_blocks_peak == 6  # a's 5 blocks and b's own fifth, the shared 4 counted once
+
+
+def test_perfetto_names_chunks_by_the_prompt(ledger_core):
+    """A 1-token prompt's prefill chunk is 'prefill 0:1', not 'decode @0': a chunk is named by whether it
+    computes prompt positions (by the prompt's length once the request finished, before that by whether
+    the request had sampled), not by its length."""
+    core, ledger = ledger_core()
+    params = SamplingParams(max_tokens=3, temperature=0, ignore_eos=True)
+    core.add_request("long", list(range(1, 12)), params)
+    core.add_request("hi", [7], params)
+
+    def chunks(rid):
+        return [e["name"] for e in trace_events(ledger) if e["ph"] == "X" and e["pid"] == 2 and
+                e["tid"] == tids[rid] and e["name"] != "queued"]
+
+    core.step()
+    tids = {e["args"]["name"]: e["tid"] for e in trace_events(ledger) if e.get("name") == "thread_name"
+            and e["pid"] == 2}
+    assert chunks("hi") == ["prefill 0:1"] and chunks("long") == ["prefill 0:11"]  # running: none finished
+    while core.has_unfinished():
+        core.step()
+    assert chunks("hi") == ["prefill 0:1", "decode @1", "decode @2"]
+    assert chunks("long") == ["prefill 0:11", "decode @11", "decode @12"]
