@@ -48,7 +48,7 @@ class StepRecord:
     chunks: list[tuple[str, int, int]]  # (request id, start position, tokens computed)
     sampled: list[str]  # request ids, one entry per token produced (a verified request may produce several)
     preempted: list[str]
-    kv_blocks_used: int
+    kv_blocks_used: int  # held through the step, finished requests' included (freed after it)
     kv_blocks_cached: int
     kv_copy_tokens: int = 0  # token slots duplicated by copy-on-write this step
     rejected_tokens: int = 0  # tokens computed then thrown away (rejected speculative drafts)
@@ -240,6 +240,7 @@ class EngineCore:
         t4 = time.perf_counter()
         self.scheduler.observe(sched, t4 - t1)
         before = {v.request.request_id: len(v.request.output_token_ids) for v in verdicts}
+        blocks_used = self.pool.num_used  # held through the step (update frees finished requests' blocks)
         finished = self.scheduler.update(sched, {v.request.request_id: [s.token for s in v.samples]
                                                  for v in verdicts})
         for r in finished:
@@ -256,7 +257,7 @@ class EngineCore:
                  "update": t5 - t4, "propose": t6 - t5},
                 [(c.request.request_id, c.start, c.num_tokens) for c in sched.chunks],
                 [d.request_id for d in deltas[:len(verdicts)] for _ in d.new_token_ids] + list(beam_rows),
-                sched.preempted, self.pool.num_used,
+                sched.preempted, blocks_used,
                 self.pool.num_cached, len(sched.block_copies) * self.pool.block_size,
                 rejected_tokens=sum(v.proposed - v.accepted for v in verdicts), kv_block_size=self.pool.block_size,
                 kv_view_slots=inp.kv_view_slots,

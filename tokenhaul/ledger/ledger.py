@@ -71,7 +71,6 @@ class RequestSpan:
     tokens: int = 0  # delivered
     sampled: int = 0  # produced by the engine
     computed: int = 0  # highest position computed so far
-    shared_blocks: int = 0  # KV blocks before its first computed position (prefix-cache hits, a fork's)
     recomputed: int = 0
     preemptions: int = 0
     prompt_tokens: int = 0
@@ -137,9 +136,8 @@ class Ledger:
     def on_step(self, record: StepRecord) -> None:
         live = self._live
         pairs = []
-        tokens = prompt = recomputed = blocks = 0
+        tokens = prompt = recomputed = 0
         prefill = False
-        bs = record.kv_block_size
         drafts, rejected = {}, {}
         for rid, proposed, accepted in record.speculation:
             drafts[rid], rejected[rid] = proposed, proposed - accepted
@@ -154,9 +152,8 @@ class Ledger:
             prefill = prefill or not decode
             span = live.get(rid)
             if span is None:
-                span = live[rid] = RequestSpan(rid, record.t_start, shared_blocks=start // bs)
+                span = live[rid] = RequestSpan(rid, record.t_start)
             end = start + n
-            blocks += -(-end // bs) - span.shared_blocks  # its own blocks, held through this step
             if start < span.computed:
                 r = min(end, span.computed) - start
                 recomputed += r
@@ -199,8 +196,7 @@ class Ledger:
         for _, proposed, accepted in record.speculation:
             self.proposed_tokens += proposed
             self.accepted_tokens += accepted
-        # the record counts blocks after this step's finished requests freed theirs (max_tokens 1: none left)
-        self.kv_blocks_peak = max(self.kv_blocks_peak, record.kv_blocks_used, blocks)
+        self.kv_blocks_peak = max(self.kv_blocks_peak, record.kv_blocks_used)
         self.steps.append(StepEntry(record, costs, tokens, prefill, recomputed, gap, seconds))
         # a gap counts only while requests are in flight (idle time of a server is not coordination)
         self._last_end = record.t_start + seconds if live else None
