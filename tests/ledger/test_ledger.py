@@ -223,9 +223,9 @@ def test_no_decode_figures_without_decode_steps(ledger_core):
 
 
 def test_kv_blocks_peak_counts_steps_whose_requests_finish(ledger_core):
-    """A step's record counts the blocks left after finished requests freed theirs: with max_tokens 1 every
-    request finishes in its prefill step and the peak read 0. Now it is at least the blocks the step's chunks
-    reach (prompts of 9 and 10 tokens in blocks of 4: 3 + 3), less blocks served from the prefix cache."""
+    """A step's record counted the blocks left after finished requests freed theirs: with max_tokens 1 every
+    request finishes in its prefill step and the peak read 0. Now it counts the blocks held through the step
+    (prompts of 9 and 10 tokens in blocks of 4: 3 + 3), blocks shared through the prefix cache once."""
     core, ledger = ledger_core()
     run(core, ledger, 2, params=SamplingParams(max_tokens=1, temperature=0, ignore_eos=True))
     assert core.pool.num_used == 0 and ledger.kv_blocks_peak == 6
