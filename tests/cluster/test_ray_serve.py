@@ -235,7 +235,7 @@ def test_killed_replica_loses_no_unstreamed_request_and_comes_back(cluster):
                 n += sum(len(d.token_ids) for _, d in items)
         return n
 
-    async def main() -> tuple[list[dict], list[int], int]:
+    async def main() -> tuple[list[dict], list[int], list, int]:
         async with httpx.AsyncClient(timeout=180) as c:
             events = [asyncio.Event() for _ in range(4)]
             early = [asyncio.create_task(stream(c, f"Story number {i}. " * 8, events[i])) for i in range(4)]
@@ -243,9 +243,9 @@ def test_killed_replica_loses_no_unstreamed_request_and_comes_back(cluster):
             streams, on_zero = await asyncio.wrap_future(asyncio.run_coroutine_threadsafe(admit_and_kill(), loop))
             late = await asyncio.gather(*(asyncio.wrap_future(asyncio.run_coroutine_threadsafe(read(s), loop))
                                           for s in streams))
-            return await asyncio.gather(*early), list(late), len(on_zero)
+            return await asyncio.gather(*early), list(late), streams, len(on_zero)
 
-    early, late, late_on_zero = asyncio.run(main())
+    early, late, streams, late_on_zero = asyncio.run(main())
     assert sorted(r["replica"] for r in early) == ["0", "0", "1", "1"]
     for r in early:  # streamed on the killed replica: a clean error; on the other: complete
         if r["replica"] == "0":
@@ -253,6 +253,7 @@ def test_killed_replica_loses_no_unstreamed_request_and_comes_back(cluster):
         else:
             assert r["error"] is None and r["tokens"] == max_tokens and r["finish"] == "length", r
     assert late_on_zero > 0 and late == [8] * 4  # not streamed yet: retried on replica 1, none lost
+    assert [s.replica for s in streams] == ["1"] * 4  # the header names where they ran
     assert pool.routing()["retried"] == late_on_zero and pool.routing()["replica_failures"] == 1
 
     deadline = time.monotonic() + 240  # Ray restarts the actor; it reloads the model

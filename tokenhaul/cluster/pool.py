@@ -14,6 +14,7 @@ import logging
 import socket
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from tokenhaul.cluster.replica import EngineReplica, ReplicaInfo
@@ -61,6 +62,9 @@ class ReplicaPool(EngineClient):
     """Start `replicas` actors of `model` (blocking until every one has loaded it). Without
     `address` a local Ray instance is started and shut down with the pool; with one, the pool joins
     that cluster and spreads the replicas over its nodes."""
+
+    # set by the front end: called with (request id, replica) when a request is retried on another replica
+    on_moved: Callable[[str, str], None] | None = None
 
     def __init__(self, model: str, replicas: int, engine_kwargs: dict | None = None, address: str | None = None,
                  policy: str = "cache_aware", load_cap: int = 4, max_restarts: int = 10, max_retries: int = 1) -> None:
@@ -283,6 +287,8 @@ class ReplicaPool(EngineClient):
                     t.retries += 1
                     self.num_retried += 1
                     self._send(t.replica, add=t.msg)
+                    if self.on_moved is not None:
+                        self.on_moved(rid, t.replica)
                     continue
             del self._tracks[rid]
             failed.append((rid, f"engine replica {name} failed ({why}) after the request had started"

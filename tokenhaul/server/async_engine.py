@@ -83,7 +83,7 @@ class RequestStream:
 
     def __init__(self, engine: AsyncEngine, request_ids: list[str], n: int = 1) -> None:
         self.request_ids = request_ids
-        self.replicas: list[str] = []  # where its requests were sent (the x-tokenhaul-replica header)
+        self.replicas: list[str] = []  # where its requests run, retries followed (the x-tokenhaul-replica header)
         self._engine = engine
         self._n = n
         self._pending: dict[int, GenerationDelta] = {}
@@ -105,6 +105,13 @@ class RequestStream:
         items = sorted(self._pending.items())
         self._pending.clear()
         return items
+
+    async def started(self) -> None:
+        """Wait, consuming nothing, until the stream has output, an error or its end: a request that streamed
+        is not retried elsewhere (cluster/pool.py), so `replica` is final for it then."""
+        while not self._pending and self._error is None and self._unfinished:
+            await self._event.wait()
+            self._event.clear()
 
     async def __aenter__(self) -> RequestStream:
         return self
@@ -233,6 +240,8 @@ class AsyncEngine:
         self._loop = asyncio.get_running_loop()
         self._empty = asyncio.Event()
         self._empty.set()
+        if hasattr(self.client, "on_moved"):  # a client that retries requests elsewhere (ReplicaPool)
+            self.client.on_moved = self._moved
         await self.client.start(self._process, start_core)
 
     async def shutdown(self) -> None:
@@ -377,6 +386,12 @@ class AsyncEngine:
         self.metrics.requests.labels(outcome).inc()
         self.client.abort(request_id, outcome)
         return e, out.delta_text if out is not None else ""
+
+    def _moved(self, request_id: str, replica: str) -> None:
+        """The client retried a request on another replica (before it streamed)."""
+        e = self._entries.get(request_id)
+        if e is not None:
+            e.stream.replicas[e.index] = replica
 
     # outputs from the client -------------------------------------------------------------------
     def _process(self, out: CoreOutputs) -> None:

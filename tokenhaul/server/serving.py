@@ -31,7 +31,10 @@ from tokenhaul.server.async_engine import (
 from tokenhaul.server.errors import ClientGone, api_error
 from tokenhaul.server.protocol import SamplingRequest, StreamOptions
 
-REPLICA_HEADER = "x-tokenhaul-replica"  # which engine replica served the call (as routed at admission)
+# which engine replica served the call: a request is retried on another replica only before it streamed (cluster/
+# pool.py), so a JSON response names the one that ran it, and an SSE response sends its headers once the stream has
+# output (_SSEResponse); with several prompts, one that had not streamed by then may still move
+REPLICA_HEADER = "x-tokenhaul-replica"
 
 
 @dataclass
@@ -139,6 +142,7 @@ class OpenAIServing:
         async def gen() -> AsyncIterator[str]:
             async with stream:
                 try:
+                    await stream.started()  # the replica is known (the headers go with the first chunk)
                     if head:
                         yield text(head)
                     async for items in stream:
@@ -152,9 +156,8 @@ class OpenAIServing:
                     yield _frame(api_error(e).body())
                 yield "data: [DONE]\n\n"
 
-        return StreamingResponse(gen(), media_type="text/event-stream",
-                                 headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no",
-                                          REPLICA_HEADER: stream.replica})
+        return _SSEResponse(stream, gen(), media_type="text/event-stream",
+                            headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
 
     def prompt_logprobs(self, lps: list[TokenLogprob | None] | None, k: int | None) -> list[dict | None] | None:
         """vLLM's prompt_logprobs (None unless k): per prompt token, token id → {logprob, rank, decoded_token} of
@@ -177,6 +180,28 @@ class OpenAIServing:
 
     def _prompt_entry(self, token_id: int, logprob: float, rank: int | None) -> dict:
         return {"logprob": finite(logprob), "rank": rank, "decoded_token": self.token_text(token_id)}
+
+
+class _SSEResponse(StreamingResponse):
+    """A StreamingResponse whose headers go out with its first chunk, naming the replica that serves its stream."""
+
+    def __init__(self, stream: RequestStream, content: AsyncIterator[str], **kw: Any) -> None:
+        super().__init__(content, **kw)
+        self._stream = stream
+
+    async def stream_response(self, send: Callable[[dict], Awaitable[None]]) -> None:
+        body = aiter(self.body_iterator)
+        first = await anext(body, None)
+        self.headers[REPLICA_HEADER] = self._stream.replica
+
+        async def chunks() -> AsyncIterator[str]:
+            if first is not None:
+                yield first
+            async for chunk in body:
+                yield chunk
+
+        self.body_iterator = chunks()
+        await super().stream_response(send)
 
 
 def continuous_usage(stream_options: StreamOptions | None) -> bool:
