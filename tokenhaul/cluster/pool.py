@@ -14,7 +14,6 @@ import logging
 import socket
 import threading
 import time
-from collections.abc import Callable
 from dataclasses import dataclass
 
 from tokenhaul.cluster.replica import EngineReplica, ReplicaInfo
@@ -62,9 +61,6 @@ class ReplicaPool(EngineClient):
     """Start `replicas` actors of `model` (blocking until every one has loaded it). Without
     `address` a local Ray instance is started and shut down with the pool; with one, the pool joins
     that cluster and spreads the replicas over its nodes."""
-
-    # set by the front end: called with (request id, replica) when a request is retried on another replica
-    on_moved: Callable[[str, str], None] | None = None
 
     def __init__(self, model: str, replicas: int, engine_kwargs: dict | None = None, address: str | None = None,
                  policy: str = "cache_aware", load_cap: int = 4, max_restarts: int = 10, max_retries: int = 1) -> None:

@@ -51,6 +51,9 @@ class EngineClient(ABC):
     """Called from one event loop (the serving one), except `run` and `close`."""
 
     limits: CoreLimits
+    # set by the front end: called with (request id, replica name) when a client retries a request on another
+    # replica before it streamed anything (ReplicaPool); a client that never moves requests never calls it
+    on_moved: Callable[[str, str], None] | None = None
 
     @abstractmethod
     async def start(self, on_outputs: OnOutputs, start_core: bool = True) -> None:

@@ -240,8 +240,7 @@ class AsyncEngine:
         self._loop = asyncio.get_running_loop()
         self._empty = asyncio.Event()
         self._empty.set()
-        if hasattr(self.client, "on_moved"):  # a client that retries requests elsewhere (ReplicaPool)
-            self.client.on_moved = self._moved
+        self.client.on_moved = self._moved
         await self.client.start(self._process, start_core)
 
     async def shutdown(self) -> None:
