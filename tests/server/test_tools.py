@@ -145,7 +145,6 @@ def test_streamed_deltas_add_up_to_the_message(choice, text, reason):
 
 
 @pytest.mark.parametrize("choice, text, reason, content, calls, want", [
-    ("auto", 'Sure.<tool_call>\n{"name": "f"', "stop", "Sure.", [("f", "")], "tool_calls"),  # unclosed
     ("auto", 'Sure.<tool_call>{"name": "f", "arguments": {"a": [1', "length", "Sure.", [("f", '{"a": [')],
      "length"),  # a number is sent once it ends
     ("auto", '<tool_call>{"name": "now", "arguments": {}}</tool_call><tool_call>{"name": "f", "arg', "length", "",
@@ -154,9 +153,9 @@ def test_streamed_deltas_add_up_to_the_message(choice, text, reason):
      "length"),  # max_tokens cut the call short
     ("auto", 'Sure.<tool_call>\n{"na', "length", 'Sure.<tool_call>\n{"na', [], "length"),  # no call began: text
 ])
-def test_a_call_cut_short_or_unclosed_is_in_the_message_as_streamed(choice, text, reason, content, calls, want):
-    """A call is streamed once its name is known, and a stream cannot take it back: the message holds the calls the
-    stream began, their arguments as far as they came, and no more content than was streamed."""
+def test_a_call_cut_short_is_in_the_message_as_streamed(choice, text, reason, content, calls, want):
+    """A call is streamed once its name is known, and a stream cannot take it back: cut short (length), the message
+    holds the calls the stream began, their arguments as far as they came, and no more content than was streamed."""
     use = ToolUse(read_tool_use(TOOLS, "none", None).tools, choice)
     msg, got_reason = choice_message(use, text, reason)
     assert ((msg["content"] or ""), [(c["function"]["name"], c["function"]["arguments"])
@@ -164,6 +163,21 @@ def test_a_call_cut_short_or_unclosed_is_in_the_message_as_streamed(choice, text
     for size in (1, 3, 1000):
         got, last = _streamed(use, [text[k:k + size] for k in range(0, len(text), size)], reason)
         assert (got["content"], got["calls"], last) == (content, calls, want)
+
+
+@pytest.mark.parametrize("text", [
+    'Sure.<tool_call>\n{"name": "f"',  # unclosed
+    'Sure.<tool_call>{"name": "f", "arguments": {"a": [1',  # EOS mid-arguments
+    'Sure.<tool_call>{"name": "f", "arguments": {"a": 1}</tool_call>',  # closed, not JSON
+])
+def test_an_unclosed_or_invalid_call_on_stop_is_content_in_the_message(text):
+    """On EOS ("stop") with no valid call in the text, the non-streamed message is the text as content, as vLLM's
+    parser gives it: a client running tools on "tool_calls" would get arguments that are no JSON. The stream still
+    ends the call it began (it cannot take it back), so there the two differ."""
+    use = ToolUse(read_tool_use(TOOLS, "none", None).tools, "auto")
+    assert choice_message(use, text, "stop") == ({"role": "assistant", "content": text}, "stop")
+    got, last = _streamed(use, [text], "stop")
+    assert (got["content"], [name for name, _ in got["calls"]], last) == ("Sure.", ["f"], "tool_calls")
 
 
 def test_required_stream_sends_the_arguments_as_they_come():

@@ -3,7 +3,10 @@ named function's arguments as they come; each call of "required" (a JSON array o
 "auto" (Hermes <tool_call>{"name": ..., "arguments": ...}</tool_call> blocks) as a first delta with the call's
 index, id, type and name once its name is known, then its arguments' JSON text piece by piece as it is generated,
 written as the non-streamed message writes them (json_stream.py), so the pieces add up to its arguments. The
-non-streamed message is the one the stream adds up to (choice_message)."""
+non-streamed message is the one the stream adds up to (choice_message), but for one case: on EOS ("stop") with no
+valid call in the text (a block unclosed or not JSON), the stream has ended the calls it began (it cannot take them
+back) while the message is the text as content, "stop", as vLLM's parser gives it, so that no client runs a call
+whose arguments are no JSON; cut short ("length"), both hold the calls as far as they came (OpenAI's too)."""
 
 from __future__ import annotations
 
@@ -14,9 +17,11 @@ from tokenhaul.server.tools import CALL_START, ToolUse, make_tool_call_id
 
 
 def choice_message(use: ToolUse, text: str, finish_reason: str | None) -> tuple[dict, str | None]:
-    """The non-streamed message of a choice's whole text, and its finish_reason: what its stream adds up to."""
-    if use.choice not in ("auto", "required"):
-        return use.message(text, finish_reason)
+    """The non-streamed message of a choice's whole text, and its finish_reason: what its stream adds up to, but on
+    "stop" with no valid call the text's own message (content), not calls whose arguments are no JSON."""
+    message, reason = use.message(text, finish_reason)
+    if use.choice not in ("auto", "required") or (finish_reason == "stop" and "tool_calls" not in message):
+        return message, reason
     stream = ToolStream(use)
     stream.delta(text, True, finish_reason)
     return stream.message, stream.reason
@@ -54,7 +59,8 @@ class ToolStream:
             if "tool_calls" not in self.message and self.calls:
                 # the text holds no valid calls (cut short, or a block unclosed or not JSON), but calls were
                 # streamed once their names were known, and a stream cannot take them back (nor does vLLM's): the
-                # message is what was streamed, the calls as far as they came (OpenAI's too under "length")
+                # stream ends them as far as they came (OpenAI's too under "length"); choice_message does so only
+                # under "length"
                 content = self.text[:self.sent] or (None if self.use.choice == "auto" else "")  # as use.message
                 self.message = {"role": "assistant", "content": content, "tool_calls": [
                     {k: c[k] for k in ("id", "type", "function")} for c in self.calls]}
