@@ -242,8 +242,7 @@ def test_kv_blocks_peak_counts_steps_whose_requests_finish(ledger_core):
 
 def test_perfetto_names_chunks_by_the_prompt(ledger_core):
     """A 1-token prompt's prefill chunk is 'prefill 0:1', not 'decode @0': a chunk is named by whether it
-    computes prompt positions (by the prompt's length once the request finished, before that by whether
-    the request had sampled), not by its length."""
+    computes prompt positions (ledger.computes_prompt, as on_step judged it), not by its length."""
     core, ledger = ledger_core()
     params = SamplingParams(max_tokens=3, temperature=0, ignore_eos=True)
     core.add_request("long", list(range(1, 12)), params)
@@ -261,3 +260,33 @@ def test_perfetto_names_chunks_by_the_prompt(ledger_core):
         core.step()
     assert chunks("hi") == ["prefill 0:1", "decode @1", "decode @2"]
     assert chunks("long") == ["prefill 0:11", "decode @11", "decode @12"]
+
+
+def test_a_prompt_chunk_of_one_token_is_prefill(ledger_core):
+    """A step computing prompt positions is a prefill step whatever its chunks' lengths: a 1-token prompt
+    with max_tokens 1 (was 0 prefill steps and 1 decode step, whose line showed the prefill's rate, roofline
+    and data wait as decode's), and a 9-token prompt chunked 8 + 1 (its last chunk counted as decode).
+    Every step's phase agrees with the Perfetto trace's names for its chunks."""
+    one = SamplingParams(max_tokens=1, temperature=0, ignore_eos=True)
+    for prompt, budget, prefill_steps in (([7], 512, 1), (list(range(1, 10)), 8, 2)):
+        core, ledger = ledger_core(max_num_batched_tokens=budget)
+        core.add_request("r", prompt, one)
+        while core.has_unfinished():
+            core.step()
+        assert (ledger.prefill.steps, ledger.decode.steps) == (prefill_steps, 0)
+        assert ledger.prompt_tokens == len(prompt)
+        line = ledger.short_line(ROOF)
+        assert f"prefill {len(prompt)} tok @" in line and "1 tok generated, no decode steps" in line, line
+        for figure in ("roofline", "waiting on data", "per token", "GB/s"):
+            assert figure not in line, line
+        names = [e["name"] for e in trace_events(ledger) if e["ph"] == "X" and e["pid"] == 2 and e["name"] != "queued"]
+        assert names == [f"prefill {s}:{s + n}" for step in ledger.steps for _, s, n in step.record.chunks]
+    # with decode steps too: every step is prefill exactly when Perfetto names one of its chunks 'prefill'
+    core, ledger = ledger_core(max_num_batched_tokens=8)
+    run(core, ledger, 3, params=SamplingParams(max_tokens=3, temperature=0, ignore_eos=True))
+    assert any(s.is_prefill and all(n == 1 for *_, n in s.record.chunks) for s in ledger.steps)
+    ev = [e for e in trace_events(ledger) if e["ph"] == "X" and e["pid"] == 2 and e["name"] != "queued"]
+    for s in ledger.steps:
+        named = {e["name"].split()[0] for e in ev if e["args"]["step"] == s.record.index}
+        assert s.is_prefill == ("prefill" in named), (s.record.chunks, named)
+    assert ledger.prefill.steps + ledger.decode.steps == ledger.num_steps

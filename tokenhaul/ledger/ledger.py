@@ -29,12 +29,20 @@ FRONT_STAGES = ("detokenize", "deliver")
 STAGES = ENGINE_STAGES + FRONT_STAGES
 
 
+def computes_prompt(n: int, drafts: int, sampled: int) -> bool:
+    """Whether a chunk of `n` positions, `drafts` of them speculative, computes prompt positions (or recomputes
+    positions lost to preemption, as a prompt is computed): every chunk does but a decode, one new position of a
+    request that has `sampled` before, whatever its length (a 1-token prompt, or a chunked prompt's 1-token
+    last chunk, is prefill). The one rule for the ledger's phases and Perfetto's chunk names."""
+    return not (n - drafts == 1 and sampled)
+
+
 @dataclass(slots=True)
 class StepEntry:
     record: StepRecord
     costs: StepCosts
     num_tokens: int  # tokens computed
-    is_prefill: bool  # any chunk of prompt tokens (a decode verifying drafts is not one)
+    prompt_chunks: tuple[bool, ...]  # per chunk of record.chunks: computes_prompt, as on_step judged it
     recomputed: int  # tokens computed before, lost to preemption, computed again
     gap_before: float  # seconds since the previous busy step ended (front end, loop, observer)
     seconds: float  # sum of the engine stages
@@ -48,6 +56,11 @@ class StepEntry:
     @property
     def num_sampled(self) -> int:
         return len(self.record.sampled)
+
+    @property
+    def is_prefill(self) -> bool:
+        """Any chunk computes prompt positions (a decode verifying drafts does not)."""
+        return any(self.prompt_chunks)
 
 
 @dataclass(slots=True)
@@ -93,7 +106,7 @@ class RequestSpan:
 
 @dataclass
 class Phase:
-    """Running totals over the steps of one phase (prefill: any chunk > 1 token; decode: the rest)."""
+    """Running totals over the steps of one phase (prefill: any chunk computes prompt positions; decode: the rest)."""
 
     steps: int = 0
     tokens: int = 0  # computed
@@ -137,7 +150,7 @@ class Ledger:
         live = self._live
         pairs = []
         tokens = prompt = recomputed = 0
-        prefill = False
+        prompt_chunks = []
         drafts, rejected = {}, {}
         for rid, proposed, accepted in record.speculation:
             drafts[rid], rejected[rid] = proposed, proposed - accepted
@@ -148,18 +161,17 @@ class Ledger:
         for rid, start, n in record.chunks:
             pairs.append((start, n))
             tokens += n
-            decode = n - drafts.get(rid, 0) == 1
-            prefill = prefill or not decode
             span = live.get(rid)
             if span is None:
                 span = live[rid] = RequestSpan(rid, record.t_start)
+            prompt_chunks.append(computes_prompt(n, drafts.get(rid, 0), span.sampled))
             end = start + n
             if start < span.computed:
                 r = min(end, span.computed) - start
                 recomputed += r
                 span.recomputed += r
-            elif not (decode and span.sampled):
-                prompt += n  # prompt, not a decode step
+            elif prompt_chunks[-1]:
+                prompt += n
             end -= rejected.get(rid, 0)  # rejected drafts' positions are computed again, not recomputed
             if end > span.computed:
                 span.computed = end
@@ -181,7 +193,7 @@ class Ledger:
             seconds += v
         gap = 0.0 if self._last_end is None else max(0.0, record.t_start - self._last_end)
         self.gap_seconds += gap
-        phase = self.prefill if prefill else self.decode
+        phase = self.prefill if any(prompt_chunks) else self.decode
         phase.steps += 1
         phase.tokens += tokens
         phase.sampled += len(record.sampled)
@@ -197,7 +209,7 @@ class Ledger:
             self.proposed_tokens += proposed
             self.accepted_tokens += accepted
         self.kv_blocks_peak = max(self.kv_blocks_peak, record.kv_blocks_used)
-        self.steps.append(StepEntry(record, costs, tokens, prefill, recomputed, gap, seconds))
+        self.steps.append(StepEntry(record, costs, tokens, tuple(prompt_chunks), recomputed, gap, seconds))
         # a gap counts only while requests are in flight (idle time of a server is not coordination)
         self._last_end = record.t_start + seconds if live else None
 
@@ -321,8 +333,9 @@ class Ledger:
         }
 
     def short_line(self, roofline: Roofline | None = None) -> str:
-        """One line: prefill rate; tokens generated and the rate of those sampled in decode steps (the first
-        tokens come from prefill steps); decode's bytes per token and roofline position, when there was decode."""
+        """One line: prefill rate; tokens generated and the rate of those sampled in decode steps (steps computing
+        no prompt positions: each request's first token, and any sampled beside a prompt chunk, come from prefill
+        steps); decode's bytes per token and roofline position, when there was a decode step."""
         s = self.summary(roofline)
         line = (f"prefill {s['prompt_tokens']} tok @ {s['prefill_tokens_per_s']:.0f} tok/s | "
                 f"{s['generated_tokens']} tok generated")

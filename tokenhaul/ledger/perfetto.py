@@ -33,8 +33,6 @@ def trace_events(ledger: Ledger) -> list[dict]:
     steps = list(ledger.steps)
     tokens = list(ledger.tokens)
     spans = {r.request_id: r for r in ledger.requests}
-    prompt_len = {rid: r.prompt_tokens for rid, r in spans.items()}  # finished requests'
-    sampled: set[str] = set()  # requests seen sampling: the prompt of one still running is behind it
     times = ([s.record.t_start for s in steps] + [r.arrival_t for r in spans.values() if r.arrival_t]
              + [e.t - e.deliver_s - e.detokenize_s for e in tokens])
     t0 = min(times, default=ledger.t0)
@@ -62,13 +60,14 @@ def trace_events(ledger: Ledger) -> list[dict]:
             ev.append({"ph": "X", "pid": ENGINE, "tid": _TID[name], "name": name, "ts": _us(t, t0),
                        "dur": round(dur * 1e6, 3), "args": args})
             t += dur
-        for rid, start, n in r.chunks:  # a chunk of prompt positions is prefill, whatever its length
-            prompt = start < prompt_len[rid] if rid in prompt_len else rid not in sampled
-            label = f"prefill {start}:{start + n}" if prompt or n > 1 else f"decode @{start}"
+        for (rid, start, n), prompt in zip(r.chunks, s.prompt_chunks, strict=True):  # as the ledger judged them
+            if prompt:
+                label = f"prefill {start}:{start + n}"
+            else:  # one new position, and any drafts it verifies
+                label = f"decode @{start}" if n == 1 else f"decode {start}:{start + n}"
             ev.append({"ph": "X", "pid": REQUESTS, "tid": rtid(rid), "name": label, "ts": _us(fwd_start, t0),
                        "dur": round(r.stage_seconds.get("forward", 0.0) * 1e6, 3),
                        "args": {"step": r.index, "tokens": n}})
-        sampled.update(r.sampled)
         for rid in r.preempted:
             ev.append({"ph": "i", "s": "t", "pid": REQUESTS, "tid": rtid(rid), "name": "preempted",
                        "ts": _us(r.t_start, t0)})
