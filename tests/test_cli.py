@@ -4,9 +4,11 @@ from __future__ import annotations
 
 import dataclasses
 import json
+from types import SimpleNamespace
 
 import numpy as np
 import pytest
+import torch
 
 from tokenhaul.cli import main
 from tokenhaul.models import catalog
@@ -223,10 +225,10 @@ def test_generate_structured_outputs(capsys):
 
 
 @pytest.mark.parametrize("flag,value,fragment", [
-    ("--max-model-len", "-1", "max_model_len must be positive"),
-    ("--num-kv-blocks", "-1", "num_kv_blocks must be positive"),
-    ("--threads", "-3", "threads must be positive"),
-    ("--kv-memory", "-1", "kv_memory_gib must be positive"),
+    ("--max-model-len", "-1", "max_model_len must be a positive number"),
+    ("--num-kv-blocks", "-1", "num_kv_blocks must be a positive number"),
+    ("--threads", "-3", "threads must be a positive number"),
+    ("--kv-memory", "-1", "kv_memory_gib must be a positive number"),
 ])
 def test_bad_engine_sizes(capsys, flag, value, fragment):
     code, _, err = run_cli(capsys, "generate", "--prompt", "Hi", "--max-tokens", "3", flag, value)
@@ -254,13 +256,15 @@ def test_trace_out_must_be_a_writable_directory(capsys, tmp_path, monkeypatch, w
 
 
 def test_eval_ppl_stride_follows_the_window(monkeypatch):
-    """Unset --stride is half the window (256 for the default 512), so --window 128 alone is valid."""
+    """Unset --stride is 256 (as before) but at most half the window, so --window 128 alone is valid and
+    --window 1024 keeps its earlier figures."""
     from tokenhaul.cli import build_parser
     from tokenhaul.cli.eval_ppl import resolve_stride
 
     parse = build_parser().parse_args
     assert resolve_stride(parse(["eval", "ppl"])) == 256
     assert resolve_stride(parse(["eval", "ppl", "--window", "128"])) == 64
+    assert resolve_stride(parse(["eval", "ppl", "--window", "1024"])) == 256
     assert resolve_stride(parse(["eval", "ppl", "--window", "128", "--stride", "128"])) == 128
 
 
@@ -274,6 +278,7 @@ def test_eval_ppl_bad_stride_is_named(capsys):
     (["--rate", "-1"], "--rate must be > 0 requests/s (default inf), got -1"),
     (["--rate", "0"], "--rate must be > 0"),
     (["--concurrency", "0"], "--concurrency must be at least 1, got 0"),
+    (["--warmup", "-1"], "--warmup must be at least 0, got -1"),
 ])
 def test_bench_serve_bad_arguments_before_connecting(capsys, args, fragment):
     code, _, err = run_cli(capsys, "bench", "serve", "--url", "http://127.0.0.1:1", *args)
@@ -320,3 +325,39 @@ def test_trace_runs_every_prompt(capsys, tmp_path, monkeypatch, concurrency, ran
         run_cli(capsys, "trace", "--prompt", "long", "--prompt", "Hi", "--concurrency", str(concurrency),
                 "--out", str(tmp_path))
     assert e.value.args[0] == ran
+
+
+@pytest.mark.parametrize("formats,storage,dtype,kv,want", [
+    ((("int4", 120), ("int8", 1)), None, "bf16", torch.bfloat16, ("int4", "bf16")),  # SmolLM2's default
+    ((("sparse", 121),), "int8", "bf16", torch.int8, ("int8", "int8")),  # --sparsity over int8 layers
+    ((("sparse", 121),), "dense", "float32", torch.float32, ("fp32", "fp32")),  # over fp32 weights
+    ((("dense", 121),), None, "bfloat16", torch.bfloat16, ("bf16", "bf16")),
+])
+def test_trace_run_options_are_whatif_names(tmp_path, formats, storage, dtype, kv, want):
+    """run.json names what the what-if model takes (a sparse layer by the storage it wraps, a dense one by the
+    compute dtype however it was spelled), so `whatif --replay` reads every trace's."""
+    from tokenhaul.cli.trace import run_options
+    from tokenhaul.config import engine_config
+    from tokenhaul.whatif.workload import KV_BYTES, WEIGHT_BITS
+
+    config = SimpleNamespace(torch_dtype=engine_config("x", dtype=dtype).torch_dtype, kv_torch_dtype=kv, sparsity=0.4)
+    llm = SimpleNamespace(config=config, costs=SimpleNamespace(weight_formats=formats),
+                          model=SimpleNamespace(layers=[SimpleNamespace(gate_up=SimpleNamespace(storage=storage))]),
+                          files=SimpleNamespace(gguf_path=tmp_path / "m.gguf"))
+    o = run_options(llm, "smollm2-135m")
+    assert (o["quantization"], o["kv_dtype"]) == want and o["quantization"] in WEIGHT_BITS and o["kv_dtype"] in KV_BYTES
+    assert run_options(llm, "m.gguf")["model"] == str(tmp_path / "m.gguf")  # a path: absolute, replayable elsewhere
+
+
+def test_trace_of_a_server_leaves_no_earlier_run_options(tmp_path, monkeypatch):
+    """trace --url writes a server's steps into --out: an earlier local trace's run.json there would give the
+    replay that run's model and options, so it is removed."""
+    import httpx
+
+    from tokenhaul.cli.trace import trace_server
+
+    (tmp_path / "run.json").write_text('{"model": "qwen2.5-coder-0.5b"}')
+    led = {"replicas": {}, "routing": {}}
+    monkeypatch.setattr(httpx, "get", lambda *a, **kw: SimpleNamespace(status_code=200, json=lambda: led))
+    trace_server("http://x", tmp_path)
+    assert (tmp_path / "steps.jsonl").exists() and not (tmp_path / "run.json").exists()

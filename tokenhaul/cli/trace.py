@@ -7,11 +7,16 @@ import dataclasses
 import json
 import os
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from tokenhaul.cli.args import add_engine_args, add_sampling_args, engine_kwargs, sampling_params
 from tokenhaul.cli.generate import options_line
 from tokenhaul.errors import TokenhaulError
+from tokenhaul.models import catalog
 from tokenhaul.sampling_params import SamplingParams
+
+if TYPE_CHECKING:
+    from tokenhaul.llm import LLM
 
 
 def add_parsers(sub: argparse._SubParsersAction) -> None:
@@ -76,14 +81,21 @@ def cmd_trace(args: argparse.Namespace) -> None:
     print(f"\ntrace:  {trace}  (open in https://ui.perfetto.dev)\nreport: {report}\nsteps:  {steps}")
 
 
-def run_options(llm, model: str) -> dict:
-    """The traced run's model and byte options in the what-if model's terms: the weights' most common storage
-    format (a dense one named by its dtype), the KV cache's dtype, the sparsity."""
+def run_options(llm: LLM, model: str) -> dict:
+    """The traced run's model (an alias, or the GGUF's absolute path) and byte options in the what-if model's terms
+    (whatif/workload.py): the weights' most common storage format (sparse layers: the format they wrap; dense ones
+    named by the compute dtype), the KV cache's dtype, the sparsity."""
+    import torch
+
     c = llm.config
-    fmt = max(llm.costs.weight_formats, key=lambda f: f[1])[0] if llm.costs.weight_formats else "dense"
-    kv = {"float32": "fp32", "bfloat16": "bf16", "int8": "int8"}[str(c.kv_torch_dtype).removeprefix("torch.")]
-    return {"model": model, "quantization": c.dtype if fmt == "dense" else fmt, "kv_dtype": kv,
-            "sparsity": c.sparsity}
+    formats = dict(llm.costs.weight_formats)
+    fmt = max(formats, key=formats.get) if formats else "dense"
+    if fmt == "sparse":
+        fmt = llm.model.layers[0].gate_up.storage  # int4, int8 or dense
+    dtype = {torch.float32: "fp32", torch.bfloat16: "bf16"}
+    return {"model": model if model in catalog.CATALOG else str(llm.files.gguf_path.resolve()),
+            "quantization": fmt if fmt in ("int4", "int8") else dtype[c.torch_dtype],
+            "kv_dtype": "int8" if c.kv_torch_dtype == torch.int8 else dtype[c.kv_torch_dtype], "sparsity": c.sparsity}
 
 
 def trace_server(url: str, out: Path) -> None:
@@ -98,7 +110,7 @@ def trace_server(url: str, out: Path) -> None:
     if r.status_code != 200:
         raise TokenhaulError(f"{url}/ledger answered HTTP {r.status_code}: {r.text[:200]}")
     led = r.json()
-    out.mkdir(parents=True, exist_ok=True)
+    (out / "run.json").unlink(missing_ok=True)  # an earlier local trace's: not this server's options
     with (out / "steps.jsonl").open("w") as f:
         for snap in led["replicas"].values():
             for rec in snap.pop("step_records"):
