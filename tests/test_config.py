@@ -30,13 +30,15 @@ def test_other_names_are_one_clear_error(kw, fragment):
 
 
 @pytest.mark.parametrize("kw,fragment", [
-    (dict(threads=-1), "threads must be positive, got -1"),
-    (dict(threads=0), "threads must be positive, got 0"),
-    (dict(max_model_len=-5), "max_model_len must be positive, got -5"),
-    (dict(num_kv_blocks=-2), "num_kv_blocks must be positive, got -2"),
-    (dict(kv_memory_gib=-1.0), "kv_memory_gib must be positive, got -1.0"),
-    (dict(kv_memory_gib=float("nan")), "kv_memory_gib must be positive, got nan"),
-    (dict(block_size=0), "block_size must be positive, got 0"),
+    (dict(threads=-1), "threads must be a positive number, got -1"),
+    (dict(threads=0), "threads must be a positive number, got 0"),
+    (dict(max_model_len=-5), "max_model_len must be a positive number, got -5"),
+    (dict(num_kv_blocks=-2), "num_kv_blocks must be a positive number, got -2"),
+    (dict(kv_memory_gib=-1.0), "kv_memory_gib must be a positive number, got -1.0"),
+    (dict(kv_memory_gib=float("nan")), "kv_memory_gib must be a positive number, got nan"),
+    (dict(block_size=0), "block_size must be a positive number, got 0"),
+    (dict(max_model_len="4096"), "max_model_len must be a positive number, got '4096'"),
+    (dict(threads=True), "threads must be a positive number, got True"),
 ])
 def test_bad_sizes_are_one_clear_error(kw, fragment):
     """Refused here, before rope, the KV cache or torch.set_num_threads raise a RuntimeError on them."""
@@ -48,3 +50,8 @@ def test_bad_sizes_are_one_clear_error(kw, fragment):
 def test_any_block_size_is_accepted():
     """The kernels take any block size (blocks of 16 only pick the int8-query path), so 7 is not refused."""
     assert engine_config("smollm2-135m", block_size=7).block_size == 7
+
+
+def test_max_model_len_none_is_the_default():
+    """vLLM's default, which ported scripts pass: the model's context (ours: 8192 at most)."""
+    assert engine_config("smollm2-135m", max_model_len=None).max_model_len == 8192

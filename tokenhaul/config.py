@@ -60,8 +60,9 @@ class EngineConfig:
                  "max_num_seqs": self.max_num_seqs, "max_model_len": self.max_model_len,
                  "kv_memory_gib": self.kv_memory_gib, "num_kv_blocks": self.num_kv_blocks, "threads": self.threads}
         for name, value in sizes.items():  # None: unset (kv_memory_gib decides, torch's thread count)
-            if value is not None and not 0 < value < float("inf"):  # NaN too
-                raise TokenhaulError(f"{name} must be positive, got {value}")
+            if value is not None and (isinstance(value, bool) or not isinstance(value, int | float)
+                                      or not 0 < value < float("inf")):  # NaN too
+                raise TokenhaulError(f"{name} must be a positive number, got {value!r}")
         if self.deterministic and self.sparsity:
             raise TokenhaulError("--deterministic cannot be combined with --sparsity (its kernel changes with the "
                                  "number of rows)")
@@ -126,6 +127,8 @@ def engine_config(model: str, **kwargs) -> EngineConfig:
         raise TokenhaulError("tensor_parallel_size: one engine runs on one device here; for more throughput run "
                              "replicas (tokenhaul serve --replicas N)")
     kw.pop("trust_remote_code", None)  # GGUF files hold no code to trust
+    if "max_model_len" in kw and kw["max_model_len"] is None:  # vLLM's default: the model's (ours, capped)
+        del kw["max_model_len"]
     ours = {f for f in EngineConfig.__dataclass_fields__ if f != "model"}
     if unknown := sorted(set(kw) - ours):
         raise TokenhaulError(f"unknown engine argument(s) {', '.join(unknown)}; choose from {', '.join(sorted(ours))}")

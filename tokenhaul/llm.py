@@ -9,7 +9,7 @@ from typing import Any
 import torch
 from tqdm import tqdm
 
-from tokenhaul.config import DEFAULT_MAX_MODEL_LEN, engine_config
+from tokenhaul.config import engine_config
 from tokenhaul.decoding.grammar import GrammarCompiler
 from tokenhaul.engine.core import EngineCore
 from tokenhaul.engine.heap import frozen_heap
@@ -45,7 +45,7 @@ class LLM:
                                 self.config.max_model_len, self.config.quantization,
                                 self.files.cache_dir, self.config.deterministic)  # first: rejects unsupported archs
         context = self.model.config.max_position
-        if self.config.max_model_len > context and self.config.max_model_len != DEFAULT_MAX_MODEL_LEN:
+        if engine_kwargs.get("max_model_len") is not None and self.config.max_model_len > context:
             # as vLLM: a length the model was not trained for is refused, not capped silently (the default is capped)
             raise ModelError(f"max_model_len {self.config.max_model_len} exceeds the model's context of {context} "
                              f"tokens; give at most {context}")

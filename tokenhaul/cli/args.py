@@ -7,7 +7,6 @@ import dataclasses
 import json
 import os
 
-from tokenhaul.config import DEFAULT_MAX_MODEL_LEN
 from tokenhaul.errors import RequestError
 from tokenhaul.models import catalog
 from tokenhaul.sampling_params import SamplingParams
@@ -29,8 +28,8 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--kv-memory", type=float, default=1.0, dest="kv_memory_gib", help="KV cache budget, GiB")
     p.add_argument("--num-kv-blocks", type=int, default=None, help="KV cache budget in blocks (overrides)")
     p.add_argument("--block-size", type=int, default=16)
-    p.add_argument("--max-model-len", type=int, default=DEFAULT_MAX_MODEL_LEN,
-                   help=f"context length (default {DEFAULT_MAX_MODEL_LEN}, or the model's if shorter)")
+    p.add_argument("--max-model-len", type=int, default=None,
+                   help="context length (default 8192, or the model's if shorter; more than the model's is an error)")
     p.add_argument("--max-num-batched-tokens", type=int, default=512)
     p.add_argument("--max-num-seqs", type=int, default=64)
     p.add_argument("--no-prefix-cache", action="store_false", dest="enable_prefix_caching")

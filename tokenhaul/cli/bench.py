@@ -52,6 +52,8 @@ def check_serve_args(args: argparse.Namespace) -> None:
         raise TokenhaulError(f"--rate must be > 0 requests/s (default inf), got {args.rate:g}")
     if args.concurrency is not None and args.concurrency < 1:
         raise TokenhaulError(f"--concurrency must be at least 1, got {args.concurrency}")
+    if args.warmup < 0:
+        raise TokenhaulError(f"--warmup must be at least 0, got {args.warmup}")
 
 
 def cmd_bench_serve(args: argparse.Namespace) -> None:

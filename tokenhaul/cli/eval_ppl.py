@@ -17,7 +17,8 @@ def add_parsers(sub: argparse._SubParsersAction) -> None:
     ep.add_argument("--corpus", default=None, help="a UTF-8 text file (default: the shipped corpus)")
     ep.add_argument("--max-tokens", type=int, default=None, help="cap on scored tokens (split across parts)")
     ep.add_argument("--window", type=int, default=512, help="context window per chunk")
-    ep.add_argument("--stride", type=int, default=None, help="tokens between window starts (default: half the window)")
+    ep.add_argument("--stride", type=int, default=None,
+                    help="tokens between window starts (default: 256, at most half the window)")
     ep.add_argument("--decode-tail", type=int, default=0,
                     help="each window's last N tokens enter as one-token decode steps (generation's path: the decode "
                          "attention kernel reading the KV cache, the compiled step), the rest as one prefill chunk")
@@ -26,8 +27,8 @@ def add_parsers(sub: argparse._SubParsersAction) -> None:
 
 
 def resolve_stride(args: argparse.Namespace) -> int:
-    """--stride, or half the window when not given (256 for the default window of 512)."""
-    return args.window // 2 if args.stride is None else args.stride
+    """--stride, or 256 when not given (at most half the window: earlier runs keep their figures)."""
+    return min(256, args.window // 2) if args.stride is None else args.stride
 
 
 def cmd_eval_ppl(args: argparse.Namespace) -> None:
