@@ -62,6 +62,7 @@ class ReplicaPool(EngineClient):
     `address` a local Ray instance is started and shut down with the pool; with one, the pool joins
     that cluster and spreads the replicas over its nodes."""
 
+    moves_requests = True  # a request whose replica dies before it streamed is retried on another
     def __init__(self, model: str, replicas: int, engine_kwargs: dict | None = None, address: str | None = None,
                  policy: str = "cache_aware", load_cap: int = 4, max_restarts: int = 10, max_retries: int = 1) -> None:
         ray = import_ray()

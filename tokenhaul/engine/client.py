@@ -51,6 +51,9 @@ class EngineClient(ABC):
     """Called from one event loop (the serving one), except `run` and `close`."""
 
     limits: CoreLimits
+    # whether a request can be retried on another replica before it streamed (ReplicaPool): then an SSE response
+    # waits for output before it sends its headers (naming the replica) and first chunk (server/serving.py)
+    moves_requests: bool = False
     # set by the front end: called with (request id, replica name) when a client retries a request on another
     # replica before it streamed anything (ReplicaPool); a client that never moves requests never calls it
     on_moved: Callable[[str, str], None] | None = None

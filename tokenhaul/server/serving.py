@@ -32,8 +32,9 @@ from tokenhaul.server.errors import ClientGone, api_error
 from tokenhaul.server.protocol import SamplingRequest, StreamOptions
 
 # which engine replica served the call: a request is retried on another replica only before it streamed (cluster/
-# pool.py), so a JSON response names the one that ran it, and an SSE response sends its headers once the stream has
-# output (_SSEResponse); with several prompts, one that had not streamed by then may still move
+# pool.py), so a JSON response names the one that ran it, and an SSE response sends its headers at once where the
+# engine client never moves requests (EngineClient.moves_requests), else once the stream has output (_SSEResponse);
+# with several prompts, one that had not streamed by then may still move
 REPLICA_HEADER = "x-tokenhaul-replica"
 
 
@@ -135,6 +136,7 @@ class OpenAIServing:
         carries the usage so far (vLLM's stream_options.continuous_usage_stats). A chunk holding several choices is
         sent as one chunk per choice, in order (OpenAI's and vLLM's: clients read `choices[0]`)."""
         hist = self._frame_hist
+        moves = self.engine.client.moves_requests  # then the replica is final only once the stream has output
 
         def text(chunks: list[dict]) -> str:
             return "".join(_frame(c if usage is None else c | {"usage": usage()}) for c in _one_choice_each(chunks))
@@ -142,7 +144,8 @@ class OpenAIServing:
         async def gen() -> AsyncIterator[str]:
             async with stream:
                 try:
-                    await stream.started()  # the replica is known (the headers go with the first chunk)
+                    if moves:
+                        await stream.started()  # the replica is known (the headers go with the first chunk)
                     if head:
                         yield text(head)
                     async for items in stream:
@@ -156,8 +159,11 @@ class OpenAIServing:
                     yield _frame(api_error(e).body())
                 yield "data: [DONE]\n\n"
 
-        return _SSEResponse(stream, gen(), media_type="text/event-stream",
-                            headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+        headers = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
+        if moves:
+            return _SSEResponse(stream, gen(), media_type="text/event-stream", headers=headers)
+        return StreamingResponse(gen(), media_type="text/event-stream",
+                                 headers=headers | {REPLICA_HEADER: stream.replica})
 
     def prompt_logprobs(self, lps: list[TokenLogprob | None] | None, k: int | None) -> list[dict | None] | None:
         """vLLM's prompt_logprobs (None unless k): per prompt token, token id → {logprob, rank, decoded_token} of
