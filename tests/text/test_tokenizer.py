@@ -153,6 +153,16 @@ def test_chat_template_matches_transformers(alias: str, real_toks, hf_tok) -> No
 
 
 @pytest.mark.real_model
+@pytest.mark.parametrize("alias", ["smollm2-135m", "qwen2.5-coder-0.5b"])
+def test_a_developer_message_renders_as_a_system_one(alias: str, real_toks) -> None:
+    """OpenAI's developer role is its system one, for LLM.chat as for the server (both render here); Qwen's template
+    would drop the message silently."""
+    tok = real_toks(alias)
+    developer = [{"role": "developer", "content": "You are terse."}, *CONVERSATION[1:]]
+    assert tok.apply_chat_template(developer) == tok.apply_chat_template(CONVERSATION)
+    assert "You are terse." in tok.apply_chat_template(developer)
+
+@pytest.mark.real_model
 def test_gemma_has_no_chat_template(real_toks) -> None:
     with pytest.raises(RequestError, match="^model gemma3-270m has no chat template$"):
         real_toks("gemma3-270m").apply_chat_template(CONVERSATION)

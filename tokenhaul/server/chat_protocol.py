@@ -55,14 +55,14 @@ class ChatMessage(RequestBody):
 
     def as_template_dict(self) -> dict[str, Any]:
         """The message as vLLM gives it to the chat template: text content, an assistant's tool_calls with their
-        arguments parsed to objects (as Qwen's and others' templates expect), a tool message's tool_call_id; a
-        developer message as a system one (its instructions, as vLLM gives it to templates without the role)."""
+        arguments parsed to objects (as Qwen's and others' templates expect), a tool message's tool_call_id (a
+        developer message is rendered as a system one: Tokenizer.apply_chat_template)."""
         content = self.content
         if isinstance(content, list):
             if any(p.type != "text" or p.text is None for p in content):
                 raise RequestError("only text content parts are supported")
             content = "\n".join(p.text or "" for p in content)  # as vLLM for a template taking a string
-        out: dict[str, Any] = {"role": "system" if self.role == "developer" else self.role, "content": content or ""}
+        out: dict[str, Any] = {"role": self.role, "content": content or ""}
         if self.name is not None:
             out["name"] = self.name
         if self.role == "assistant" and self.tool_calls is not None:

@@ -133,9 +133,11 @@ class Tokenizer:
         """Render messages with the model's template (sandboxed jinja2), as transformers does, `variables` (vLLM's
         chat_template_kwargs, e.g. enable_thinking) visible to it; with continue_final_message the text ends where
         the last message's content does (no end-of-turn), so the model continues that message (transformers' tag
-        method: mark the content's end, render, cut there)."""
+        method: mark the content's end, render, cut there). A developer message (OpenAI's role for its instructions)
+        is rendered as a system one, as vLLM gives it to templates without the role (Qwen's would drop it)."""
         if self.chat_template is None:
             raise RequestError(f"model {self.name} has no chat template")
+        messages = [{**m, "role": "system"} if m.get("role") == "developer" else m for m in messages]
         variables = variables or {}
         if taken := sorted(set(variables) & _TEMPLATE_ARGS):
             raise RequestError(f"chat_template_kwargs may not set {', '.join(taken)} (given by the request itself)")
