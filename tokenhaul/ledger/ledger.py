@@ -347,6 +347,7 @@ class Ledger:
                 f"{s['decode_gb_per_s']:.1f} GB/s, {s['roofline_fraction']:.0%} of roofline, "
                 f"waiting on data {s['data_wait_fraction']:.0%} of forward")
 
+
 def percentile(values, q: float) -> float:
     """Nearest-rank percentile (q in [0, 100]); 0.0 for no values."""
     v = sorted(values)
