@@ -182,3 +182,20 @@ def test_serve_builds_the_grammar_token_table_at_load(monkeypatch):
     monkeypatch.setattr(GrammarCompiler, "warm", lambda self: built.append(self))
     AsyncEngine.from_model("smollm2-135m", num_kv_blocks=16, compile="off")
     assert len(built) == 1
+
+
+def test_a_request_the_core_refuses_at_admission_is_a_400(tokenizer):
+    """What check_prompt does not foresee but the core refuses when it is added (a beam group's blocks: every beam
+    holds its own tail) is the client's error, 400 with the core's reason, not a 500 engine failure."""
+    engine, _ = script_engine(tokenizer, num_kv_blocks=12)
+    body = {"prompt": "Story number 3: Once upon a time", "max_tokens": 40, "use_beam_search": True, "n": 2}
+    with ServerThread(build_app(engine)) as srv, httpx.Client(timeout=30) as c:
+        r = c.post(srv.url + "/v1/completions", json=body)
+        assert r.status_code == 400, r.text
+        err = r.json()["error"]
+        assert err["code"] == "kv_capacity_exceeded" and err["message"].startswith("beam search needs"), err
+        with c.stream("POST", srv.url + "/v1/completions", json=body | {"stream": True}) as s:
+            lines = [ln for ln in s.iter_lines() if ln.startswith("data:")]
+        assert "kv_capacity_exceeded" in lines[0] and lines[-1] == "data: [DONE]"
+        r = c.post(srv.url + "/v1/completions", json={"prompt": "Hi", "max_tokens": 5})
+        assert r.status_code == 200

@@ -254,8 +254,11 @@ class ReplicaPool(EngineClient):
             if t is not None and t.replica == name:
                 self._end(rid)
                 failed.append((rid, why))
-        if deltas or failed:
-            self._on_outputs(CoreOutputs(out.step, deltas, failed))
+        refused = [r for r in out.refused if (t := self._tracks.get(r[0])) is not None and t.replica == name]
+        for rid, _, _ in refused:
+            self._end(rid)
+        if deltas or failed or refused:
+            self._on_outputs(CoreOutputs(out.step, deltas, failed, refused=refused))
         if out.dead is not None:  # the step loop died but the process lives: restart it
             log.error("replica %s: %s; restarting it", name, out.dead)
             self._replica_down(name, out.dead)

@@ -19,7 +19,7 @@ from collections.abc import Callable
 from tokenhaul.engine.core import EngineCore
 from tokenhaul.engine.heap import frozen_heap
 from tokenhaul.engine.messages import AbortRequest, AddRequest, CoreOutputs
-from tokenhaul.errors import CapacityError, TokenhaulError
+from tokenhaul.errors import CapacityError, RequestError, TokenhaulError
 
 log = logging.getLogger("tokenhaul.engine")
 
@@ -105,7 +105,7 @@ class CoreThread:
 
     def _publish(self, out: CoreOutputs) -> None:
         self.stats = dataclasses.replace(self.core.stats(), step_seconds=self._step_seconds)
-        if out.deltas or out.failed:
+        if out.deltas or out.failed or out.refused:
             self._on_outputs(out)
 
     def _isolate(self, suspects: list[str], failed: list[tuple[str, str]]) -> None:
@@ -155,6 +155,8 @@ class CoreThread:
             return
         try:
             self.core.add_request(m.request_id, m.prompt_token_ids, m.params, m.eos_token_ids)
+        except RequestError as e:  # refused at admission (CapacityError too)
+            out.refused.append((m.request_id, "capacity" if isinstance(e, CapacityError) else "request", str(e)))
         except TokenhaulError as e:
             out.failed.append((m.request_id, str(e)))
         except Exception:  # a defect reached by one request's parameters: that request fails, not the loop

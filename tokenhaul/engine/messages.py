@@ -111,4 +111,7 @@ class CoreOutputs:
     step: int
     deltas: list[RequestDelta] = field(default_factory=list)
     failed: list[tuple[str, str]] = field(default_factory=list)  # (request id, one-line reason)
+    # requests the core refused at admission (it can never serve them): (request id, "capacity" (KV pool, seats) or
+    # "request" (its parameters), one-line reason); a front end answers them as bad requests, not engine failures
+    refused: list[tuple[str, str, str]] = field(default_factory=list)
     dead: str | None = None  # the loop itself died: every request it was given is lost

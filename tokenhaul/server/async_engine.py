@@ -427,6 +427,8 @@ class AsyncEngine:
         for rid, reason in out.failed:
             log.error("request %s failed in the core: %s", rid, reason)
             self._fail(rid, EngineFailed(reason))
+        for rid, kind, reason in out.refused:  # what check_prompt does not foresee (beam groups' blocks, seats)
+            self._fail(rid, CapacityError(reason) if kind == "capacity" else RequestError(reason))
         if out.dead is not None:
             self._fail_all(EngineFailed(out.dead))
 

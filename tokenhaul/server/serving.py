@@ -17,7 +17,7 @@ from typing import Any
 from fastapi import Request
 from fastapi.responses import StreamingResponse
 
-from tokenhaul.errors import TokenhaulError
+from tokenhaul.errors import RequestError, TokenhaulError
 from tokenhaul.outputs import TokenLogprob
 from tokenhaul.sampling_params import SamplingParams, truncate_prompt
 from tokenhaul.server.async_engine import (
@@ -126,7 +126,7 @@ class OpenAIServing:
 
         try:
             return await _unless_disconnected(request, read())
-        except (EngineFailed, EngineUnavailable) as e:
+        except (EngineFailed, EngineUnavailable, RequestError) as e:  # RequestError: refused by the core
             raise api_error(e) from None
 
     def sse(self, stream: RequestStream, frames: Callable[[list[tuple[int, GenerationDelta]]], list[dict]],
@@ -155,7 +155,7 @@ class OpenAIServing:
                         if out:
                             yield out
                     yield text(tail())
-                except (EngineFailed, EngineUnavailable) as e:
+                except (EngineFailed, EngineUnavailable, RequestError) as e:  # RequestError: refused by the core
                     yield _frame(api_error(e).body())
                 yield "data: [DONE]\n\n"
 
