@@ -101,6 +101,26 @@ def test_preemption_with_drafts_keeps_output_and_frees_everything(spec):
     assert core.pool.num_used == 0
 
 
+@pytest.mark.parametrize("max_tokens, max_model_len", [(24, 512), (60, 32)])
+def test_draft_request_that_fills_the_pool_finishes(max_tokens, max_model_len):
+    """A request admitted with exactly the pool's 32 slots (prompt + max_tokens, or the context) finishes:
+    the draft's lookahead reserves nothing past its last token (was: KV cache exhausted mid-way). The draft
+    is the target itself, so every draft is accepted and k stays at 4 to the end."""
+    cfg = EngineConfig(model="tiny", dtype="fp32", num_kv_blocks=8, block_size=4, max_model_len=max_model_len)
+    core = EngineCore(cfg, tiny_model(), draft_model=tiny_model())
+    core.add_request("short", [3, 4], greedy(max_tokens=3))
+    core.add_request("long", prompts(1)[0][:8], greedy("draft", k=4, max_tokens=max_tokens))
+    out, reasons = {"short": [], "long": []}, {}
+    while core.has_unfinished():
+        for d in core.step():
+            out[d.request_id] += d.new_token_ids
+            if d.finished:
+                reasons[d.request_id] = d.finish_reason
+    assert [len(out["short"]), len(out["long"])] == [3, 24]
+    assert reasons == {"short": "length", "long": "length"}
+    assert core.pool.num_used == 0
+
+
 def test_draft_with_another_vocabulary_is_refused():
     from tokenhaul.errors import ModelError
 

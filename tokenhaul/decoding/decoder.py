@@ -112,10 +112,15 @@ class Decoder:
             elif r.num_computed_tokens == r.num_tokens - 1:  # prompt done: drafts follow the last token
                 by_name.setdefault(name, []).append(r)
         for name, reqs in by_name.items():
-            ks = [min(self._k[r.request_id], r.params.max_tokens - len(r.output_token_ids) - 1,
-                      self.max_model_len - r.num_tokens - 1) for r in reqs]
+            ks = [min(self._k[r.request_id], self._room(r) - 1) for r in reqs]
             for r, q in zip(reqs, self.proposers[name].propose(reqs, ks)):
                 self._q[r.request_id] = q
+        for r in running:  # next step's tokens, drafts and lookahead within the slots admission counted
+            r.num_lookahead = min(r.num_lookahead, self._room(r) - len(r.draft_token_ids))
+
+    def _room(self, r: Request) -> int:
+        """The tokens r may still produce (up to max_tokens, within the context): its slots end there."""
+        return min(r.params.max_tokens - len(r.output_token_ids), self.max_model_len - r.num_tokens)
 
     def forget(self, req: Request) -> None:
         """Drop a finished or aborted request's strategy state."""
