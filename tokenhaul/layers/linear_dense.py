@@ -25,6 +25,8 @@ class DenseLinear(Linear):
         self.widen = weight.dtype == torch.bfloat16 and not low_precision_gemm_is_fast(weight.device)
         self.gemv = (weight.dtype == torch.bfloat16 and not transposed and weight.device.type == "cpu"
                      and bf16_gemv.available())
+        self.gemv_rows = bf16_gemv.MAX_ROWS  # the GEMV up to here; batch_invariant (--deterministic): every count
+        self.row_by_row = False  # batch_invariant without the GEMV: one F.linear call per row (the same kernel)
 
     @classmethod
     def build(cls, parts: list[Part], bias, dtype, device, group=None) -> DenseLinear:
@@ -35,8 +37,10 @@ class DenseLinear(Linear):
         return cls(w, None if bias is None else bias.to(device, torch.float32))
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        if self.gemv and 0 < x.shape[0] <= bf16_gemv.MAX_ROWS:  # 1 row: 2.2x F.linear, 8 rows 1.2x, 16 0.6x
+        if self.gemv and 0 < x.shape[0] <= self.gemv_rows:  # 1 row: 2.2x F.linear, 8 rows 1.2x, 16 0.6x
             return self._add_bias(torch.ops.tokenhaul_bf16.bf16_gemv(x, self.weight)).to(x.dtype)
+        if self.row_by_row and x.shape[0] > 1:
+            return torch.cat([self(row) for row in x.split(1)])
         if self.widen and x.shape[0] >= FP32_GEMM_ROWS:  # one fp32 copy of the weight beats a slow bf16 GEMM
             y = torch.nn.functional.linear(x.float(), self.weight.float())
             return self._add_bias(y).to(x.dtype)
