@@ -144,6 +144,13 @@ def test_group_that_cannot_fit_is_refused():
     core_with(num_kv_blocks=21).add_request("b", PROMPTS[0], beam(4, 18, ()))
 
 
+def test_group_wider_than_the_token_budget_is_refused():
+    """Each step a group needs a row for every beam: with fewer batched tokens it never stepped (hung)."""
+    with pytest.raises(CapacityError, match="beam_width 4 exceeds the engine's max_num_batched_tokens 3"):
+        core_with(max_num_batched_tokens=3).add_request("b", PROMPTS[0], beam(4, 5, ()))
+    assert len(run_beams(core_with(max_num_batched_tokens=4), PROMPTS[:1], [beam(4, 5, ())])[0]) == 4
+
+
 @pytest.mark.parametrize("kw", [dict(speculative="jacobi"), dict(repetition_penalty=1.2), dict(logprobs=1),
                                 dict(n=5, beam_width=4), dict(stop=["return"]), dict(logit_bias={5: 1.0})])
 def test_refused_combinations(kw):

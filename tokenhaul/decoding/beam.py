@@ -107,6 +107,9 @@ class BeamSearch:
         if params.beam_width > self.scheduler.config.max_num_seqs:  # its beams must all run in one step
             raise CapacityError(f"beam_width {params.beam_width} exceeds the engine's max_num_seqs "
                                 f"{self.scheduler.config.max_num_seqs}")
+        if params.beam_width > self.scheduler.config.max_num_batched_tokens:  # ... and all get a row in it
+            raise CapacityError(f"beam_width {params.beam_width} exceeds the engine's max_num_batched_tokens "
+                                f"{self.scheduler.config.max_num_batched_tokens}")
         root = Request(f"{request_id}#0", list(prompt_token_ids), params, tuple(eos_token_ids), priority,
                        beam_group=request_id)
         self.scheduler.add(root)
