@@ -185,6 +185,20 @@ def test_bad_request_is_4xx_with_openai_error(script_server, client, path, body,
     assert engine.num_unfinished == 0
 
 
+def test_seed_outside_int64_is_a_400(script_server, client):
+    """seed outside int64's [-2**63, 2**63) is a 400 naming it (vLLM's range), not reduced mod 2**63 so that
+    2**64 + 5 would silently sample as seed 5; the bounds themselves are served."""
+    url, engine, _ = script_server
+    for path, body in ((CMPL, {"prompt": "x"}), (CHAT, {"messages": USER})):
+        for seed in (2**63, 2**64 + 5, -2**63 - 1):
+            err = check_error(client.post(url + path, json=body | {"seed": seed, "max_tokens": 2}), 400, "seed")
+            assert "seed" in err["message"], err
+        for seed in (2**63 - 1, -2**63):
+            r = client.post(url + path, json=body | {"seed": seed, "max_tokens": 2, "temperature": 1, "n": 2})
+            assert r.status_code == 200, r.text
+    assert engine.num_unfinished == 0
+
+
 def test_unknown_route_and_method(script_server, client):
     url = script_server[0]
     check_error(client.get(url + "/v1/nothing"), 404)

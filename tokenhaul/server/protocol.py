@@ -51,7 +51,8 @@ class SamplingRequest(RequestBody):
     n: int = Field(1, ge=1, le=MAX_N)  # SamplingParams' cap (OpenAI's), as LLM and the CLI
     stop: StopText | Annotated[list[StopText], Field(max_length=MAX_STOP)] | None = Field(
         None, description=f"up to {MAX_STOP} strings of at most {MAX_STOP_CHARS} characters")
-    seed: int | None = None
+    seed: int | None = Field(None, ge=-2**63, lt=2**63, description="int64 (vLLM's range); choice i samples with "
+                             "seed + i")
     presence_penalty: float | None = None
     frequency_penalty: float | None = None
     stream: bool = False
