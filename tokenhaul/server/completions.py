@@ -189,8 +189,8 @@ class CompletionsHandler(OpenAIServing):
         return [(t.token_id, finite(t.logprob), t.top, self.token_bytes(t.token_id)) for t in lps]
 
     def _completion_logprobs(self, rows: list[_Row], offsets: _TextOffsets, i: int) -> dict:
-        """OpenAI's completions logprobs of choice i: tokens, logprobs, the k best (and the token) by text, and where
-        each token's text starts in the choice's text."""
+        """OpenAI's completions logprobs of choice i: tokens, logprobs, the k best (and the token) by text (the best
+        logprob of the tokens sharing one), and where each token's text starts in the choice's text."""
         tokens, values, tops, text_offset = [], [], [], []
         for token_id, value, top, data in rows:
             t = self.token_text(token_id)
@@ -201,8 +201,12 @@ class CompletionsHandler(OpenAIServing):
                 tops.append(None)
                 continue
             values.append(finite(value))
-            best = {self.token_text(tid): finite(v) for tid, v in top or []}
-            best[t] = values[-1]  # and the token, where it is not among the k (vLLM; up to k + 1 entries)
+            # the k best and the token (vLLM; up to k + 1 entries); tokens sharing a text (byte fragments all read
+            # "\ufffd") keep the highest logprob among them, never a lower one written over it
+            best: dict[str, float] = {}
+            for tid, v in [*(top or []), (token_id, value)]:
+                key, v = self.token_text(tid), finite(v)
+                best[key] = max(v, best.get(key, v))
             tops.append(best)
         return {"tokens": tokens, "token_logprobs": values, "top_logprobs": tops, "text_offset": text_offset}
 
