@@ -6,8 +6,12 @@ import argparse
 import json
 import sys
 import time
+from typing import TYPE_CHECKING
 
 from tokenhaul.cli.args import add_engine_args, add_sampling_args, engine_kwargs, sampling_params
+
+if TYPE_CHECKING:
+    from tokenhaul.outputs import RequestOutput
 
 
 def add_parsers(sub: argparse._SubParsersAction) -> None:
@@ -57,20 +61,27 @@ def cmd_generate(args: argparse.Namespace, chat: bool = False) -> None:
                                        "stop_reason": o.stop_reason} for o in out.outputs],
                           "ledger": out.ledger.summary() | {"load_seconds": load_s}}, ensure_ascii=False))
         return
-    print(out.text)
+    _print_outputs(out)
     for label, rows in (("prompt logprob", (prompt_logprobs or [None])[1:]), ("logprob", logprobs or [])):
         for e in rows:
             top = "  ".join(f"{llm.tokenizer.decode([t], skip_special_tokens=False)!r} {v:.3f}" for t, v in e["top"])
             print(f"[{label}] {e['token']!r} {e['logprob']:.3f}" + (f"  | top: {top}" if top else ""),
                   file=sys.stderr)
-    for i, b in enumerate((out.beams or [])[1:], 2):
-        print(f"\n[beam {i}] score {b.score:.4f}\n{b.text}")
-    if out.beams is None:  # n > 1 samples
-        for o in out.outputs[1:]:
-            print(f"\n[sample {o.index + 1}] finish={o.finish_reason}\n{o.text}")
     if args.ledger:
         print(f"\n[ledger] {options_line(llm)} | {out.ledger.short_line()} | "
               f"finish={out.finish_reason}", file=sys.stderr)
+
+
+def _print_outputs(out: RequestOutput) -> None:
+    """The text; with several beams or samples, each under a header (its number and score or finish reason)."""
+    if out.beams is not None and len(out.beams) > 1:
+        heads = [(f"[beam {i}] score {b.score:.4f}", b.text) for i, b in enumerate(out.beams, 1)]
+    elif out.beams is None and len(out.outputs) > 1:
+        heads = [(f"[sample {o.index + 1}] finish={o.finish_reason}", o.text) for o in out.outputs]
+    else:
+        print(out.text)
+        return
+    print("\n\n".join(f"{head}\n{text}" for head, text in heads))
 
 
 def _logprob_rows(logprobs: list[dict] | None, token_ids: list[int], k: int) -> list[dict]:
