@@ -399,3 +399,14 @@ def test_generate_heads_every_output_when_there_are_several(capsys, monkeypatch,
     _FakeLLM.out = _fake_output(beams, 1)
     code, out, _ = run_cli(capsys, "generate", "--prompt", "Hi", *flags)
     assert code == 0 and out == "text 1\n"
+
+
+def test_models_list_names_only_known_models(capsys):
+    """`models list ALIAS...` lists those models; an unknown alias is the one-line error `models install` gives
+    (exit 2), not the whole catalog."""
+    code, _, err = run_cli(capsys, "models", "list", "foo")
+    assert_one_line_error(code, err, "unknown model 'foo'; known: smollm2-135m")
+    code, _, err = run_cli(capsys, "models", "install", "foo")
+    assert_one_line_error(code, err, "unknown model 'foo'; known: smollm2-135m")
+    code, out, _ = run_cli(capsys, "models", "list", "smollm2-135m")
+    assert code == 0 and out.splitlines()[0].startswith("smollm2-135m ") and len(out.splitlines()) == 1
