@@ -410,3 +410,16 @@ def test_models_list_names_only_known_models(capsys):
     assert_one_line_error(code, err, "unknown model 'foo'; known: smollm2-135m")
     code, out, _ = run_cli(capsys, "models", "list", "smollm2-135m")
     assert code == 0 and out.splitlines()[0].startswith("smollm2-135m ") and len(out.splitlines()) == 1
+
+
+def test_structured_outputs_params_import_from_the_package():
+    """README's `SamplingParams(structured_outputs=StructuredOutputsParams(...))` imports both from tokenhaul, and
+    the import stays torch-free."""
+    import subprocess
+    import sys
+
+    code = ("import sys; from tokenhaul import SamplingParams, StructuredOutputsParams; "
+            "p = SamplingParams(structured_outputs=StructuredOutputsParams(choice=['yes', 'no'])); "
+            "print(p.structured_outputs.choice, 'torch' in sys.modules)")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    assert out.stdout.strip() == "['yes', 'no'] False", out.stderr

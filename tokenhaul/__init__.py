@@ -51,12 +51,13 @@ def _keep_freed_memory() -> None:
 _keep_freed_memory()
 
 from tokenhaul.sampling_params import SamplingParams  # noqa: E402 - after the OpenMP choice
+from tokenhaul.structured_outputs import StructuredOutputsParams  # noqa: E402 - SamplingParams imports it anyway
 
 if TYPE_CHECKING:
     from tokenhaul.llm import LLM
     from tokenhaul.outputs import CompletionOutput, Logprob, RequestOutput
 
-__all__ = ["LLM", "CompletionOutput", "Logprob", "RequestOutput", "SamplingParams"]
+__all__ = ["LLM", "CompletionOutput", "Logprob", "RequestOutput", "SamplingParams", "StructuredOutputsParams"]
 
 
 def __getattr__(name: str) -> object:
