@@ -423,3 +423,17 @@ def test_structured_outputs_params_import_from_the_package():
             "print(p.structured_outputs.choice, 'torch' in sys.modules)")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
     assert out.stdout.strip() == "['yes', 'no'] False", out.stderr
+
+
+def test_help_lists_every_command():
+    """`tokenhaul --help`'s description names every subcommand (eval ppl and calibrate-sparsity too), and each
+    command with its own subcommands by them (bench serve)."""
+    import argparse
+
+    from tokenhaul.cli import build_parser
+
+    parser = build_parser()
+    listed = parser.description.removeprefix("tokenhaul command line: ").removesuffix(".").split(" | ")
+    sub = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction))
+    assert {c.split()[0] for c in listed} == set(sub.choices)
+    assert "bench serve" in listed and "eval ppl" in listed and "calibrate-sparsity" in listed
