@@ -43,6 +43,15 @@ def _fmt_shares(p: Prediction) -> str:
     return ", ".join(f"{k} {v:.0%}" for k, v in _shares(p).items() if v >= 0.01)
 
 
+def _chips(n: int) -> str:
+    return f"{n} chip" if n == 1 else f"{n} chips"
+
+
+def _more_chips(q: Prediction, p: Prediction) -> str:
+    """', on N chips, not M' where `q` (a variant of `p`'s workload) runs on another chip count than `p`."""
+    return f", on {_chips(q.chips)}, not {p.chips}" if q.chips != p.chips else ""
+
+
 def questions(p: Prediction, base: Prediction | None = None) -> list[tuple[str, str]]:
     """The chip questions for one profile and workload; `base` (another profile's prediction of the
     same workload) turns "where does the time go" into "where does the gain come from"."""
@@ -59,9 +68,10 @@ def questions(p: Prediction, base: Prediction | None = None) -> list[tuple[str, 
             verdict = f"the gain comes from {max(moves, key=moves.get)}"
         else:
             verdict = f"no gain: it is slower, mostly in {min(moves, key=moves.get)}"
-        ans = (f"vs {base.hardware.name}: TPOT {base.tpot_s * 1e3:.3g} → {p.tpot_s * 1e3:.3g} ms; decode time saved "
-               f"in data movement {d_data * 1e3:+.3g} ms, compute {d_comp * 1e3:+.3g} ms, overhead and interconnect "
-               f"{d_rest * 1e3:+.3g} ms (over {p.decode.steps} steps): {verdict}.")
+        chips = f" ({_chips(base.chips)} → {_chips(p.chips)})" if p.chips != base.chips else ""
+        ans = (f"vs {base.hardware.name}{chips}: TPOT {base.tpot_s * 1e3:.3g} → {p.tpot_s * 1e3:.3g} ms; decode time "
+               f"saved in data movement {d_data * 1e3:+.3g} ms, compute {d_comp * 1e3:+.3g} ms, overhead and "
+               f"interconnect {d_rest * 1e3:+.3g} ms (over {p.decode.steps} steps): {verdict}.")
     else:
         ans = (f"decode on {hw.name} is {p.decode.time.bound}-bound ({_fmt_shares(p)}); data movement "
                f"{data / (p.decode.seconds or 1):.0%} of the time, compute {comp / (p.decode.seconds or 1):.0%}: "
@@ -74,8 +84,8 @@ def questions(p: Prediction, base: Prediction | None = None) -> list[tuple[str, 
     def say(q: Prediction | None, what: str) -> str:
         if q is None:
             return f"{what}: does not fit"
-        return (f"{what}: {q.decode_tokens_per_s:.3g} tok/s/user ({q.decode_tokens_per_s / p.decode_tokens_per_s:.0%}),"
-                f" {q.aggregate_tokens_per_s:.3g} total, {q.decode.time.bound}-bound")
+        return (f"{what}: {q.decode_tokens_per_s:.3g} tok/s/user ({q.decode_tokens_per_s / p.decode_tokens_per_s:.0%}"
+                f"{_more_chips(q, p)}), {q.aggregate_tokens_per_s:.3g} total, {q.decode.time.bound}-bound")
 
     out.append(("Under which mode does the figure hold, and how does it degrade in long-context, high-concurrency "
                 "sustained use?",
@@ -108,7 +118,7 @@ def questions(p: Prediction, base: Prediction | None = None) -> list[tuple[str, 
     out.append(("What is the steady cost per token versus the peak?",
                 f"peak (the binding resource alone, no overheads): {peak * 1e3:.3g} ms/step; modelled: "
                 f"{p.tpot_s * 1e3:.3g} ms/token/user at this mode, {steady.tpot_s * 1e3:.3g} sustained "
-                f"(batch {steady.workload.batch}, context {steady.workload.context}); energy "
+                f"(batch {steady.workload.batch}, context {steady.workload.context}{_more_chips(steady, p)}); energy "
                 f"{'unknown' if e is None else f'{e:.3g} J/token'}."))
     return out
 
