@@ -112,6 +112,13 @@ BAD = [
     (CMPL, {"prompt": "x", "bad_words": ["no"] * 1025}, 400, "bad_words", "too_long"),
     (CHAT, {"messages": USER, "bad_words": ["no"], "use_beam_search": True}, 400, None, None),
     (CMPL, {"prompt": "x", "guided_whitespace_pattern": " "}, 400, "guided_whitespace_pattern", None),
+    (CMPL, {"prompt": "x", "logits_processors": ["m.f"]}, 400, "logits_processors", None),  # vLLM extras not served
+    (CHAT, {"messages": USER, "logits_processors": [{"qualname": "m.f"}]}, 400, "logits_processors", None),
+    (CMPL, {"prompt": "x", "prompt_embeds": "AAAA"}, 400, "prompt_embeds", None),
+    (CMPL, {"prompt": "x", "add_special_tokens": False}, 400, "add_special_tokens", None),  # completions' default: true
+    (CHAT, {"messages": USER, "add_special_tokens": True}, 400, "add_special_tokens", None),  # chat's: false
+    (CHAT, {"messages": USER, "documents": [{"title": "t", "text": "x"}]}, 400, "documents", None),
+    (CMPL, {"prompt": "x", "early_stopping": True, "use_beam_search": True}, 400, "early_stopping", None),
     (CHAT, {"messages": USER, "response_format": {"type": "structural_tag"}}, 400, "response_format", None),
     (CHAT, {"messages": USER, "response_format": {"type": "json_object"}, "guided_regex": "a"}, 400, None, None),
     (CHAT, {"messages": USER, "tools": [{"type": "function", "function": {"name": "f"}}]}, 400, None, None),  # auto

@@ -202,3 +202,105 @@ def test_real_truncate_prompt_tokens_runs_the_last_k(real_server, client, tokeni
     assert (got["choices"], got["usage"]) == (whole["choices"], whole["usage"])
     r = client.post(url + CMPL, json={"prompt": PROMPT, "truncate_prompt_tokens": 0})
     assert r.status_code == 400 and r.json()["error"]["param"] == "truncate_prompt_tokens", r.text
+
+
+def test_script_extras_at_their_default_are_served(script_server, client):
+    """vLLM's extras tokenhaul refuses when set (they would change the output) are served at vLLM's defaults, as if
+    left out: add_special_tokens true on completions and false on chat, empty logits_processors, null documents."""
+    url = script_server[0]
+    for path, body in ((CMPL, {"prompt": "Hi", "add_special_tokens": True, "logits_processors": []}),
+                       (CHAT, {"messages": USER, "add_special_tokens": False, "documents": None,
+                               "early_stopping": False})):
+        r = client.post(url + path, json=body | {"max_tokens": 2})
+        assert r.status_code == 200, r.text
+
+
+def token_id(name: str) -> int:
+    """The id in a return_tokens_as_token_ids name, "token_id:N"."""
+    head, _, tail = name.partition(":")
+    assert head == "token_id" and tail.isdigit(), name
+    return int(tail)
+
+
+def test_script_return_tokens_as_token_ids_names_every_logprob_token(script_server, client, tokenizer):
+    """vLLM's return_tokens_as_token_ids: every logprobs token is "token_id:N" (the sampled ones, their
+    top_logprobs, echo's prompt tokens), on completions and chat, streamed or not; tokens whose text is the same
+    ("\\ufffd" for each byte of a character) stay apart. Chat's bytes are still the token's own."""
+    url = script_server[0]
+    body = {"prompt": "Hi", "max_tokens": 12, "logprobs": 3, "return_tokens_as_token_ids": True}
+    for extra in ({}, {"echo": True}):
+        c = client.post(url + CMPL, json=body | extra).json()["choices"][0]
+        lp = c["logprobs"]
+        ids = [token_id(t) for t in lp["tokens"]]
+        assert tokenizer.decode(ids) == c["text"]
+        for t, v, top in zip(lp["tokens"], lp["token_logprobs"], lp["top_logprobs"]):
+            if v is None:  # echo: the prompt's first token
+                continue
+            assert len(top) in (3, 4) and top[t] == v and all(token_id(k) >= 0 for k in top), top
+        chunks = sse(client, url + CMPL, body | extra)
+        assert [t for ch in chunks for c in ch["choices"] for t in (c["logprobs"] or {}).get("tokens", [])] == \
+            lp["tokens"]
+        plain = client.post(url + CMPL, json=body | extra | {"return_tokens_as_token_ids": False}).json()
+        assert plain["choices"][0]["logprobs"]["tokens"] == [tokenizer.decode([t], skip_special_tokens=False)
+                                                             for t in ids]
+    assert any(tokenizer.decode([t]) == "\ufffd" for t in ids)  # the script writes CJK and emoji: byte fragments
+    chat = {"messages": USER, "max_tokens": 12, "logprobs": True, "top_logprobs": 2, "return_tokens_as_token_ids": True}
+    got = client.post(url + CHAT, json=chat).json()["choices"][0]
+    entries = got["logprobs"]["content"]
+    ids = [token_id(e["token"]) for e in entries]
+    assert tokenizer.decode(ids) == got["message"]["content"]
+    for e in entries:
+        assert bytes(e["bytes"]) == tokenizer.token_bytes(token_id(e["token"]))
+        assert len(e["top_logprobs"]) == 2 and all(token_id(t["token"]) >= 0 for t in e["top_logprobs"])
+    chunks = sse(client, url + CHAT, chat)
+    assert [e for ch in chunks for c in ch["choices"] for e in (c["logprobs"] or {}).get("content", [])] == entries
+
+
+def test_script_return_token_ids_gives_the_prompt_and_output_ids(script_server, client, tokenizer):
+    """vLLM's return_token_ids: completions' choices carry their prompt's token ids (prompt_token_ids: as run, after
+    truncate_prompt_tokens) and their own (token_ids); chat's response the prompt's, each choice its own. Streamed:
+    the prompt's with each choice's first chunk, each chunk the ids it adds. Left out: neither."""
+    url = script_server[0]
+    prompts = ["Hi there", "Something else"]
+    body = {"prompt": prompts, "n": 2, "max_tokens": 9, "return_token_ids": True}
+    got = client.post(url + CMPL, json=body).json()
+    for c in got["choices"]:
+        assert c["prompt_token_ids"] == tokenizer.encode(prompts[c["index"] // 2]), c
+        assert len(c["token_ids"]) == 9 and tokenizer.decode(c["token_ids"]) == c["text"], c
+    streamed: dict[int, dict] = {}
+    for ch in sse(client, url + CMPL, body):
+        for c in ch["choices"]:
+            s = streamed.setdefault(c["index"], {"token_ids": []})
+            if "prompt_token_ids" in c:
+                assert "prompt_token_ids" not in s and not s["token_ids"], c  # once, with the first chunk
+                s["prompt_token_ids"] = c["prompt_token_ids"]
+            s["token_ids"] += c["token_ids"]
+    assert [streamed[c["index"]] for c in got["choices"]] == [
+        {"prompt_token_ids": c["prompt_token_ids"], "token_ids": c["token_ids"]} for c in got["choices"]]
+    cut = client.post(url + CMPL, json=body | {"truncate_prompt_tokens": 1}).json()
+    assert [c["prompt_token_ids"] for c in cut["choices"]] == [tokenizer.encode(p)[-1:] for p in prompts for _ in "ab"]
+    for extra in ({"echo": True, "max_tokens": 0}, {"echo": True, "max_tokens": 0, "logprobs": 1}, {"echo": True}):
+        whole = client.post(url + CMPL, json=body | extra).json()["choices"]  # echo: token_ids are the output's
+        chunks = [c for ch in sse(client, url + CMPL, body | extra) for c in ch["choices"]]
+        for c in whole:
+            assert c["prompt_token_ids"] == tokenizer.encode(prompts[c["index"] // 2]), (extra, c)
+            assert len(c["token_ids"]) == extra.get("max_tokens", 9), (extra, c)
+            mine = [s for s in chunks if s["index"] == c["index"]]
+            assert mine[0]["prompt_token_ids"] == c["prompt_token_ids"] and all(
+                "prompt_token_ids" not in s for s in mine[1:]), (extra, mine)
+            assert [t for s in mine for t in s["token_ids"]] == c["token_ids"], (extra, mine)
+    plain = client.post(url + CMPL, json=body | {"return_token_ids": False}).json()
+    assert not {"prompt_token_ids", "token_ids"} & set(plain["choices"][0])
+    chat = {"messages": USER, "n": 2, "max_tokens": 9, "return_token_ids": True}
+    rendered = client.post(url + "/tokenize", json={"messages": USER}).json()["tokens"]
+    got = client.post(url + CHAT, json=chat).json()
+    assert got["prompt_token_ids"] == rendered
+    for c in got["choices"]:
+        assert len(c["token_ids"]) == 9 and tokenizer.decode(c["token_ids"]) == c["message"]["content"], c
+    chunks = sse(client, url + CHAT, chat)
+    # the first chunk of each choice (its role; vLLM's), and no other
+    assert [ch.get("prompt_token_ids") for ch in chunks] == [rendered] * 2 + [None] * (len(chunks) - 2)
+    assert [ch["choices"][0]["delta"].get("role") for ch in chunks[:2]] == ["assistant"] * 2
+    for c in got["choices"]:
+        assert [t for ch in chunks for s in ch["choices"] if s["index"] == c["index"]
+                for t in s.get("token_ids", [])] == c["token_ids"]

@@ -58,6 +58,8 @@ class ChatHandler(OpenAIServing):
         created, model = int(time.time()), e.model_name
         out_tokens = [0] * body.n
         want_lp = body.logprobs
+        as_ids = bool(body.return_tokens_as_token_ids)
+        want_ids = bool(body.return_token_ids)  # vLLM's: the prompt's and each choice's token ids
 
         def usage() -> dict:
             done = sum(out_tokens)
@@ -71,12 +73,16 @@ class ChatHandler(OpenAIServing):
                 message, reason = ({"role": "assistant", "content": c.text}, c.finish_reason) if tool_use is None \
                     else choice_message(tool_use, c.text, c.finish_reason)
                 choices.append({"index": i, "message": message,
-                                "logprobs": {"content": self._chat_logprobs(c.logprobs)} if want_lp else None,
+                                "logprobs": {"content": self._chat_logprobs(c.logprobs, as_ids)} if want_lp else None,
                                 "finish_reason": reason, "stop_reason": c.stop_reason})
-            return JSONResponse({"id": rid, "object": "chat.completion", "created": created, "model": model,
-                                 "choices": choices, "usage": usage(),
-                                 "prompt_logprobs": self.prompt_logprobs(acc[0].prompt_logprobs, shown_k)},
-                                headers={REPLICA_HEADER: stream.replica})
+                if want_ids:
+                    choices[-1]["token_ids"] = c.token_ids
+            response = {"id": rid, "object": "chat.completion", "created": created, "model": model,
+                        "choices": choices, "usage": usage(),
+                        "prompt_logprobs": self.prompt_logprobs(acc[0].prompt_logprobs, shown_k)}
+            if want_ids:
+                response["prompt_token_ids"] = prompt
+            return JSONResponse(response, headers={REPLICA_HEADER: stream.replica})
 
         def chunk(choices: list[dict]) -> dict:
             return {"id": rid, "object": "chat.completion.chunk", "created": created, "model": model,
@@ -84,6 +90,8 @@ class ChatHandler(OpenAIServing):
 
         head = [chunk([{"index": i, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
                         "finish_reason": None} for i in range(body.n)])]
+        if want_ids:
+            head[0]["prompt_token_ids"] = prompt
 
         tool_streams = [ToolStream(tool_use) for _ in range(body.n)]
 
@@ -92,12 +100,14 @@ class ChatHandler(OpenAIServing):
             for i, d in items:
                 out_tokens[i] = d.num_output_tokens
                 delta, reason = tool_streams[i].delta(d.text, d.finished, d.finish_reason)
-                if not delta and not d.finished and not want_lp:
+                if not delta and not d.finished and not want_lp and not (want_ids and d.token_ids):
                     continue
-                choices.append({"index": i, "delta": delta,
-                                "logprobs": {"content": self._chat_logprobs(d.logprobs or [])} if want_lp else None,
+                lp = {"content": self._chat_logprobs(d.logprobs or [], as_ids)} if want_lp else None
+                choices.append({"index": i, "delta": delta, "logprobs": lp,
                                 "finish_reason": reason if d.finished else None,
                                 "stop_reason": d.stop_reason})
+                if want_ids:
+                    choices[-1]["token_ids"] = d.token_ids
             return [chunk(choices)] if choices else []
 
         def tail() -> list[dict]:
@@ -107,11 +117,13 @@ class ChatHandler(OpenAIServing):
 
         return self.sse(stream, frames, tail, head, usage if continuous_usage(body.stream_options) else None)
 
-    def _chat_logprobs(self, lps: list[TokenLogprob]) -> list[dict]:
+    def _chat_logprobs(self, lps: list[TokenLogprob], as_ids: bool = False) -> list[dict]:
+        """OpenAI's chat logprobs entries; as_ids: tokens named "token_id:N" (vLLM's return_tokens_as_token_ids),
+        their bytes still the token's own."""
         out = []
         for lp in lps:
-            t = self.token_text(lp.token_id)
-            top = [{"token": self.token_text(tid), "logprob": finite(v), "bytes": list(self.token_bytes(tid))}
+            t = self.token_name(lp.token_id, as_ids)
+            top = [{"token": self.token_name(tid, as_ids), "logprob": finite(v), "bytes": list(self.token_bytes(tid))}
                    for tid, v in (lp.top or [])]
             out.append({"token": t, "logprob": finite(lp.logprob), "bytes": list(self.token_bytes(lp.token_id)),
                         "top_logprobs": top})

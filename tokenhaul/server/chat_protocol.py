@@ -12,6 +12,7 @@ from tokenhaul.errors import RequestError
 from tokenhaul.server.protocol import (
     MAX_MESSAGES,
     MAX_TOP_LOGPROBS,
+    REFUSED_EXTRAS,
     PromptLogprobs,
     RequestBody,
     SamplingRequest,
@@ -94,6 +95,7 @@ def count_messages_first(data: Any) -> Any:
 
 
 class ChatCompletionRequest(SamplingRequest):
+    refused_extras = REFUSED_EXTRAS | {"echo": False, "add_special_tokens": False, "documents": None}
     messages: list[ChatMessage] = Field(min_length=1, max_length=MAX_MESSAGES)
 
     @model_validator(mode="before")
@@ -179,6 +181,7 @@ class ChatChoice(BaseModel):
     logprobs: ChatLogprobs | None = None
     finish_reason: str | None = None
     stop_reason: int | str | None = None  # the stop string, or the stop_token_ids id (vLLM)
+    token_ids: list[int] | None = None  # vLLM's, with return_token_ids
 
 
 class ChatCompletionResponse(BaseModel):
@@ -189,6 +192,7 @@ class ChatCompletionResponse(BaseModel):
     choices: list[ChatChoice]
     usage: Usage | None = None
     prompt_logprobs: PromptLogprobs | None = None  # vLLM's, with prompt_logprobs: the one prompt's
+    prompt_token_ids: list[int] | None = None  # vLLM's, with return_token_ids
 
 
 class ChatDelta(BaseModel):
@@ -203,6 +207,7 @@ class ChatChunkChoice(BaseModel):
     logprobs: ChatLogprobs | None = None
     finish_reason: str | None = None
     stop_reason: int | str | None = None
+    token_ids: list[int] | None = None  # vLLM's, with return_token_ids: the ids this chunk adds
 
 
 class ChatCompletionChunk(BaseModel):
@@ -212,3 +217,4 @@ class ChatCompletionChunk(BaseModel):
     model: str
     choices: list[ChatChunkChoice]
     usage: Usage | None = None
+    prompt_token_ids: list[int] | None = None  # vLLM's, with return_token_ids: in each choice's first

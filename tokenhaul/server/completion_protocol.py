@@ -7,10 +7,11 @@ from typing import Literal
 from pydantic import BaseModel
 
 from tokenhaul.errors import RequestError
-from tokenhaul.server.protocol import PromptLogprobs, SamplingRequest, Usage
+from tokenhaul.server.protocol import REFUSED_EXTRAS, PromptLogprobs, SamplingRequest, Usage
 
 
 class CompletionRequest(SamplingRequest):
+    refused_extras = REFUSED_EXTRAS | {"prompt_embeds": None, "add_special_tokens": True}
     prompt: str | list[str] | list[int] | list[list[int]]
     logprobs: int | None = None
     echo: bool = False
@@ -41,6 +42,8 @@ class CompletionChoice(BaseModel):
     finish_reason: str | None = None
     stop_reason: int | str | None = None  # the stop string, or the stop_token_ids id (vLLM)
     prompt_logprobs: PromptLogprobs | None = None  # vLLM's: its prompt's, with prompt_logprobs (or echo + logprobs)
+    prompt_token_ids: list[int] | None = None  # vLLM's, with return_token_ids (streamed: the choice's first chunk)
+    token_ids: list[int] | None = None  # vLLM's, with return_token_ids (streamed: the chunk's)
 
 
 class CompletionResponse(BaseModel):

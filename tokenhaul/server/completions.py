@@ -66,6 +66,8 @@ class CompletionsHandler(OpenAIServing):
         created, model = int(time.time()), e.model_name
         n_prompt = sum(len(p) for p in prompts)
         want_lp = body.logprobs is not None
+        as_ids = bool(body.return_tokens_as_token_ids)
+        want_ids = bool(body.return_token_ids)
         k = body.logprobs or 0
         offsets = _TextOffsets(num_choices)
         out_tokens = [0] * num_choices
@@ -93,11 +95,13 @@ class CompletionsHandler(OpenAIServing):
                 lp = None
                 if want_lp:
                     head = echo_rows(i, prompt_lps) if echo_k is not None else []
-                    lp = self._completion_logprobs(head + self._rows(c.logprobs), offsets, i)
+                    lp = self._completion_logprobs(head + self._rows(c.logprobs), offsets, i, as_ids)
                 text = c.text if echoes is None else echoes[i // body.n] + c.text
                 choices.append({"index": i, "text": text, "logprobs": lp, "finish_reason": c.finish_reason,
                                 "stop_reason": c.stop_reason,
                                 "prompt_logprobs": self.prompt_logprobs(prompt_lps, shown_k)})
+                if want_ids:  # vLLM's return_token_ids
+                    choices[-1] |= {"prompt_token_ids": prompts[i // body.n], "token_ids": c.token_ids}
             return JSONResponse({"id": rid, "object": "text_completion", "created": created, "model": model,
                                  "choices": choices, "usage": usage()}, headers={REPLICA_HEADER: stream.replica})
 
@@ -105,30 +109,41 @@ class CompletionsHandler(OpenAIServing):
         # echo with logprobs: only the prompt's first choice computes its logprobs (the others share its prefix
         # cache); a choice's deltas wait for them, which come with that choice's first delta
         shared = _SharedPromptLogprobs(body.n) if echo_k is not None else None
+        unsent_ids = set(range(num_choices)) if want_ids else set()
+
+        def with_ids(i: int, choice: dict, token_ids: list[int]) -> dict:
+            """return_token_ids: choice i's chunk with the ids it adds, and its prompt's with its first chunk."""
+            if want_ids:
+                choice["token_ids"] = token_ids
+                if i in unsent_ids:
+                    unsent_ids.discard(i)
+                    choice["prompt_token_ids"] = prompts[i // body.n]
+            return choice
 
         def frames(items: list[tuple[int, GenerationDelta]]) -> list[dict]:
             choices = []
             for i, d in items if shared is None else shared.ready(items):
                 if scoring:  # one chunk per choice once its engine token is done: the prompt and its logprobs (vLLM)
                     if d.finished:
-                        lp = self._completion_logprobs(echo_rows(i, shared.of(i)), offsets, i) if want_lp else None
-                        choices.append({"index": i, "text": echoes[i // body.n], "logprobs": lp,
-                                        "finish_reason": "length", "stop_reason": None})
+                        lp = (self._completion_logprobs(echo_rows(i, shared.of(i)), offsets, i, as_ids)
+                              if want_lp else None)
+                        choices.append(with_ids(i, {"index": i, "text": echoes[i // body.n], "logprobs": lp,
+                                                    "finish_reason": "length", "stop_reason": None}, []))
                     continue
                 out_tokens[i] = d.num_output_tokens
-                if not d.text and not d.finished and not want_lp:
+                if not d.text and not d.finished and not want_lp and not (want_ids and d.token_ids):
                     continue  # held back (stop-string prefix or incomplete character): nothing to say
                 text, lp = d.text, None
                 if i in unechoed:  # echo with logprobs: the prompt and its logprobs with the first token (vLLM)
                     unechoed.discard(i)
                     text = echoes[i // body.n] + text
                     lp = self._completion_logprobs(echo_rows(i, shared.of(i)) + self._rows(d.logprobs or []),
-                                                   offsets, i)
+                                                   offsets, i, as_ids)
                 elif want_lp:
-                    lp = self._completion_logprobs(self._rows(d.logprobs or []), offsets, i)
-                choices.append({"index": i, "text": text, "logprobs": lp,
-                                "finish_reason": d.finish_reason if d.finished else None,
-                                "stop_reason": d.stop_reason})
+                    lp = self._completion_logprobs(self._rows(d.logprobs or []), offsets, i, as_ids)
+                choices.append(with_ids(i, {"index": i, "text": text, "logprobs": lp,
+                                            "finish_reason": d.finish_reason if d.finished else None,
+                                            "stop_reason": d.stop_reason}, d.token_ids))
             if not choices:
                 return []
             return [{"id": rid, "object": "text_completion", "created": created, "model": model,
@@ -143,8 +158,9 @@ class CompletionsHandler(OpenAIServing):
         head = None
         if echoes is not None and echo_k is None and not scoring:  # each choice's prompt first, as its own chunk
             head = [{"id": rid, "object": "text_completion", "created": created, "model": model,
-                     "choices": [{"index": i, "text": echoes[i // body.n], "logprobs": None, "finish_reason": None,
-                                  "stop_reason": None} for i in range(num_choices)]}]
+                     "choices": [with_ids(i, {"index": i, "text": echoes[i // body.n], "logprobs": None,
+                                              "finish_reason": None, "stop_reason": None}, [])
+                                 for i in range(num_choices)]}]
         return self.sse(stream, frames, tail, head, usage if continuous_usage(body.stream_options) else None)
 
     async def _echo_texts(self, body: CompletionRequest, prompts: list[list[int]], whole: list[bool]) -> list[str]:
@@ -188,12 +204,13 @@ class CompletionsHandler(OpenAIServing):
     def _rows(self, lps: list[TokenLogprob]) -> list[_Row]:
         return [(t.token_id, finite(t.logprob), t.top, self.token_bytes(t.token_id)) for t in lps]
 
-    def _completion_logprobs(self, rows: list[_Row], offsets: _TextOffsets, i: int) -> dict:
+    def _completion_logprobs(self, rows: list[_Row], offsets: _TextOffsets, i: int, as_ids: bool = False) -> dict:
         """OpenAI's completions logprobs of choice i: tokens, logprobs, the k best (and the token) by text (the best
-        logprob of the tokens sharing one), and where each token's text starts in the choice's text."""
+        logprob of the tokens sharing one), and where each token's text starts in the choice's text.
+        as_ids: each token named "token_id:N" instead of by its text (vLLM's return_tokens_as_token_ids)."""
         tokens, values, tops, text_offset = [], [], [], []
         for token_id, value, top, data in rows:
-            t = self.token_text(token_id)
+            t = self.token_name(token_id, as_ids)
             tokens.append(t)
             text_offset.append(offsets.advance(i, data))
             if value is None:  # the prompt's first token: nothing before it to predict it (OpenAI, vLLM)
@@ -205,7 +222,7 @@ class CompletionsHandler(OpenAIServing):
             # "\ufffd") keep the highest logprob among them, never a lower one written over it
             best: dict[str, float] = {}
             for tid, v in [*(top or []), (token_id, value)]:
-                key, v = self.token_text(tid), finite(v)
+                key, v = self.token_name(tid, as_ids), finite(v)
                 best[key] = max(v, best.get(key, v))
             tops.append(best)
         return {"tokens": tokens, "token_logprobs": values, "top_logprobs": tops, "text_offset": text_offset}

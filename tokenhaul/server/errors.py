@@ -15,10 +15,10 @@ from tokenhaul.server.async_engine import (
 )
 from tokenhaul.server.chat_protocol import ChatCompletionRequest
 from tokenhaul.server.completion_protocol import CompletionRequest
-from tokenhaul.server.protocol import REFUSED_EXTRAS
 
 # a RequestError whose first word is one of these names the field it is about (the 400's param)
-_FIELDS = set(ChatCompletionRequest.model_fields) | set(CompletionRequest.model_fields) | set(REFUSED_EXTRAS)
+_FIELDS = (set(ChatCompletionRequest.model_fields) | set(CompletionRequest.model_fields)
+           | set(ChatCompletionRequest.refused_extras) | set(CompletionRequest.refused_extras))
 
 
 class APIError(Exception):

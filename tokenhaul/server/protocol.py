@@ -8,7 +8,7 @@ document them in the OpenAPI schema and the tests check the dicts against them."
 
 from __future__ import annotations
 
-from typing import Annotated, Any, Literal
+from typing import Annotated, Any, ClassVar, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
@@ -24,8 +24,10 @@ MAX_TOP_LOGPROBS = 20  # OpenAI's bound on chat's top_logprobs, and vLLM's on pr
 StopText = Annotated[str, Field(max_length=MAX_STOP_CHARS)]
 NULL_IS_DEFAULT = ("n", "stream", "echo", "logprobs")  # OpenAI's nullable fields typed here without None
 MAX_BAD_WORDS = 1024  # vLLM's bad_words per request
-# vLLM's request extras that change the output, which tokenhaul does not serve: refused when set, not ignored
-REFUSED_EXTRAS = ("guided_whitespace_pattern", "echo")  # echo: chat's only (a completions field)
+# vLLM's request extras that change the output, which tokenhaul does not serve: name → vLLM's default; refused
+# when set to anything else (null or empty is the default), not ignored. The endpoints add their own.
+REFUSED_EXTRAS: dict[str, Any] = {"guided_whitespace_pattern": None, "logits_processors": None,
+                                  "early_stopping": False}  # beam search's, vLLM's older name
 
 
 class RequestBody(BaseModel):
@@ -43,6 +45,7 @@ class SamplingRequest(RequestBody):
     """The fields completions and chat share: sampling, stops, logprobs, structured outputs (OpenAI's and vLLM's)."""
 
     model_config = ConfigDict(strict=True, extra="allow")  # unknown fields kept (model_extra), to refuse some
+    refused_extras: ClassVar[dict[str, Any]] = REFUSED_EXTRAS
     model: str | None = Field(None, description="the served model's name (default: the served model)")
     max_tokens: int | None = Field(None, description="left out: 16 on completions; null (and chat's default): as "
                                    "many as the context holds after the prompt (vLLM's)")
@@ -89,6 +92,12 @@ class SamplingRequest(RequestBody):
     guided_regex: str | None = None
     guided_choice: list[str] | None = None
     guided_grammar: str | None = None
+    return_tokens_as_token_ids: bool | None = Field(
+        None, description="vLLM's: logprobs tokens (top_logprobs' too) as 'token_id:N', so that tokens of one text "
+                          "(the bytes of a character each read '\ufffd') stay apart")
+    return_token_ids: bool | None = Field(
+        None, description="vLLM's: the prompt's token ids (prompt_token_ids) and each choice's (token_ids) in the "
+                          "response; streamed, the prompt's with each choice's first chunk, each chunk the ids it adds")
 
     @model_validator(mode="before")
     @classmethod
@@ -104,8 +113,10 @@ class SamplingRequest(RequestBody):
         if self.stream_options is not None and not self.stream:
             raise RequestError("stream_options is only allowed when stream is true")
         for name, value in (self.model_extra or {}).items():
-            if name in REFUSED_EXTRAS and value not in (None, False, 0, "", [], {}):
-                raise RequestError(f"{name} is not supported")
+            default = self.refused_extras.get(name, value)
+            if value != default and value not in (None, "", [], {}):
+                raise RequestError(f"{name} is not supported (it would change the output; tokenhaul does not "
+                                   f"serve it)")
         if self.prompt_logprobs is not None:
             if not 0 <= self.prompt_logprobs <= MAX_TOP_LOGPROBS:
                 raise RequestError(f"prompt_logprobs must be in [0, {MAX_TOP_LOGPROBS}], got {self.prompt_logprobs}")

@@ -43,6 +43,7 @@ class GatheredChoice:
     """One choice of a non-streamed response, gathered from its deltas."""
 
     text: str = ""
+    token_ids: list[int] = field(default_factory=list)
     num_tokens: int = 0
     logprobs: list = field(default_factory=list)
     finish_reason: str | None = None
@@ -52,6 +53,7 @@ class GatheredChoice:
     def add(self, d: GenerationDelta) -> None:
         self.prompt_logprobs = self.prompt_logprobs or d.prompt_logprobs
         self.text += d.text
+        self.token_ids += d.token_ids
         self.num_tokens = d.num_output_tokens
         self.logprobs += d.logprobs or []
         if d.finished:
@@ -105,6 +107,10 @@ class OpenAIServing:
         if s is None:
             s = self._token_text[token_id] = self.engine.tokenizer.decode([token_id], skip_special_tokens=False)
         return s
+
+    def token_name(self, token_id: int, as_id: bool = False) -> str:
+        """A logprobs token's string: its text, or vLLM's "token_id:N" (return_tokens_as_token_ids)."""
+        return f"token_id:{token_id}" if as_id else self.token_text(token_id)
 
     def token_bytes(self, token_id: int) -> bytes:
         b = self._token_bytes.get(token_id)
