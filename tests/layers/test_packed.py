@@ -3,6 +3,8 @@ matches a float reference on random shapes, the registry's choices and errors, a
 
 from __future__ import annotations
 
+import sys
+
 import numpy as np
 import pytest
 import torch
@@ -422,16 +424,40 @@ def _int8_parts(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return q, scale.bfloat16()
 
 
-def test_int8_integer_path_is_batch_invariant():
-    """A row's output from the integer GEMM does not depend on which rows share its call (exact int32 sums),
-    so the batch-invariant factory runs it at every row count."""
-    make = LinearFactory(QuantSpec("int8"), torch.bfloat16, batch_invariant=True)
-    lin = make.linear("a", [torch.randn(96, 160)])
-    assert lin.packed_rows == 0
-    x = torch.randn(33, 160)
+@pytest.mark.parametrize("gemv", [True, False])
+def test_int8_pinned_kernel_is_batch_invariant(gemv):
+    """The batch-invariant factory pins one kernel at every row count: the C++ GEMV where it is built (each row
+    summed alike in any pass), else the integer GEMM (exact int32 sums). Either way a row's output does not
+    depend on which rows share its call, up to prefill-sized calls."""
+    if gemv and not int8_gemv.available():
+        pytest.skip("no C++ compiler")
+    lin = LinearFactory(QuantSpec("int8"), torch.bfloat16).linear("a", [torch.randn(96, 160)])
+    lin.gemv = gemv and lin.gemv
+    lin.pin_one_kernel()
+    assert all(lin.gemv_rows(m) for m in (1, 7, 8, 200)) if gemv else lin.packed_rows == 0
+    x = torch.randn(200, 160)
     y = lin(x)
-    assert all(torch.equal(lin(x[i:i + 1]), y[i:i + 1]) for i in (0, 17, 32))
+    assert all(torch.equal(lin(x[i:i + 1]), y[i:i + 1]) for i in (0, 17, 32, 199))
     assert torch.equal(lin(x[5:12]), y[5:12])
+
+
+def test_int4_pinned_kernel_is_batch_invariant():
+    """The batch-invariant factory's int4 linear keeps the C++ GEMV at every row count where a row sums alike in
+    any batch (AVX-512 VNNI's 64-row blocks; AVX2's panels from 3 rows, fewer padded up), else int4pack: row i of
+    an M-row call equals that row alone, bit for bit, from 1 row to prefill-sized calls."""
+    from tokenhaul.layers import int4_gemv
+
+    make = LinearFactory(QuantSpec("int4", 32), torch.bfloat16, batch_invariant=True)
+    lin = make.linear("a", [torch.randn(130, 256)])
+    rows = int4_gemv.invariant_from(32, lin.block) if int4_gemv.available() else None
+    assert (lin.gemv_rows, lin.min_rows) == ((sys.maxsize, rows) if rows else (lin.gemv_rows, 1))
+    assert lin.max_rows == (sys.maxsize if rows else None)
+    x = torch.randn(150, 256).bfloat16()
+    y = lin(x)
+    alone = torch.cat([lin(x[i:i + 1]) for i in range(len(x))])
+    for m in (1, 2, 3, 5, 64, 150):
+        assert torch.equal(lin(x[:m]), alone[:m]), m
+    assert torch.equal(y, alone)
 
 
 def test_fused_parts_of_mixed_types_stack_along_out():

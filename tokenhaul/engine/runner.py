@@ -72,7 +72,7 @@ class ModelRunner:
         self._first_row = torch.zeros(1, dtype=torch.long, device=self.device)  # sample_rows of a one-row step
         # decodes read by kv/decode_attention.py's kernel: their blocks count as the ledger's direct reads, not as
         # view slots (counted twice, a batch-1 decode's gathered bytes came out negative)
-        self._direct_decodes = decodes_in_place(kv.dtype, self.device.type, per_query)
+        self._direct_decodes = decodes_in_place(kv.dtype, self.device.type)
 
     def prepare(self, sched: SchedulerOutput) -> ModelInput:
         """Split chunks into attention calls (engine/attention_calls.py: by query length, then by KV
@@ -126,8 +126,9 @@ class ModelRunner:
             shapes.append((q_len, [c.start + q_len for c in chunks]))
         if graph:
             return self._compiled_input(ids, pos, slot_parts[0], groups[0].block_table, sample_chunks, shapes)
+        in_place = self._direct_decodes and self.per_query  # every query through the kernel, not only decodes
         view_slots = sum(g.block_table.shape[1] * bs for g in groups
-                         if g.block_start is not None and not (g.q_len == 1 and self._direct_decodes))
+                         if g.block_start is not None and not (self._direct_decodes and (g.q_len == 1 or in_place)))
         dev = self.device
         meta = AttentionMetadata(torch.tensor(pos, dtype=torch.long).to(dev), torch.cat(slot_parts).to(dev),
                                  [self._to(g) for g in groups], len(ids), self.per_query)

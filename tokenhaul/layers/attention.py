@@ -60,10 +60,10 @@ def _kernel_dtype(kv_dtype: torch.dtype) -> bool:
     return kv_dtype in (torch.int8, torch.bfloat16)
 
 
-def decodes_in_place(kv_dtype: torch.dtype, device: str = "cpu", deterministic: bool = False) -> bool:
+def decodes_in_place(kv_dtype: torch.dtype, device: str = "cpu") -> bool:
     """Whether eager decodes read their K/V blocks in place through kv/decode_attention.py's kernel (int8 and bf16
-    caches on the CPU, unless --deterministic), not SDPA over a gathered copy: what the ledger counts."""
-    return _kernel_dtype(kv_dtype) and device == "cpu" and not deterministic and decode_attention.available()
+    caches on the CPU), not SDPA over a gathered copy: what the ledger counts."""
+    return _kernel_dtype(kv_dtype) and device == "cpu" and decode_attention.available()
 
 
 def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
@@ -73,7 +73,8 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     Writes the step's K/V into their slots, then gathers whole blocks per sequence. Returns [T, H*D].
     Int8 caches (kv/int8.py) quantize on write; decodes read them with kv/decode_attention.py's kernel (no
     float copy), prefill chunks dequantize the step's blocks on read. Bf16 caches' decodes are read by the same
-    kernel (eager and compiled); fp32 ones (the exact path) and --deterministic go through SDPA."""
+    kernel (eager and compiled), and under --deterministic their prefill queries too, each as a row of its own;
+    fp32 ones (the exact path) go through SDPA (one query a row under --deterministic)."""
     Hkv = k_cache.shape[2]
     _write(k_cache, meta.slot_mapping, k)
     _write(v_cache, meta.slot_mapping, v)
@@ -86,7 +87,9 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
         qg = q if g.token_index is None else q[g.token_index]
         fold = g.q_len == 1 and not meta.per_query
         mask = g.mask_local if sliding else g.mask
-        if fold and kernel:
+        if kernel and meta.per_query:
+            o = _kernel_rows(qg, g, k_cache, v_cache, mask, scale)
+        elif fold and kernel:
             # the C++ kernel reads the blocks through the table (int8: scales applied inside): no float copy, and
             # each sequence's chunks come from its own mask row, so a row's numbers do not depend on its batch.
             # Int8 and bf16 decodes; inside the compiled graph up to 2.1x inductor's fused reductions
@@ -129,6 +132,20 @@ def _sdpa(qg: torch.Tensor, g: AttnGroup, k_cache: torch.Tensor | Int8Blocks, v_
             o = F.scaled_dot_product_attention(qg, kg, vg, attn_mask=mask, scale=scale, enable_gqa=True)
         o = o.transpose(1, 2).reshape(g.batch * g.q_len, H * D)
     return o
+
+
+def _kernel_rows(qg: torch.Tensor, g: AttnGroup, k_cache: torch.Tensor | Int8Blocks,
+                 v_cache: torch.Tensor | Int8Blocks, mask: torch.Tensor | None, scale: float) -> torch.Tensor:
+    """Batch-invariant attention through the decode kernel (--deterministic): every query, of a decode or of a
+    prefill chunk, is a row of its own with its sequence's table and its own mask row, so its keys split into the
+    same chunks, merged in the same order, wherever it is computed. qg: [B * Q, H, D]. Returns [B * Q, H * D]."""
+    T, H, D = qg.shape
+    Hkv = k_cache.shape[2]
+    table = g.block_table if g.q_len == 1 else g.block_table.repeat_interleave(g.q_len, dim=0)
+    if mask is not None and g.q_len > 1:  # [B, 1, Q, L] → a row per query [B * Q, 1, 1, L]
+        mask = mask.transpose(1, 2).reshape(T, 1, 1, -1)
+    o = decode_attention.decode(qg.view(T, Hkv, H // Hkv, D), k_cache, v_cache, table, mask, scale)
+    return o.reshape(T, H * D).to(qg.dtype)
 
 
 def _decode_traced(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, g: AttnGroup,

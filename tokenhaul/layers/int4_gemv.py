@@ -58,6 +58,16 @@ def eight_bit_activations(rows: int, group: int, block: int) -> bool:
     return block == 32 or _avx512_with("avx512_vnni")
 
 
+def invariant_from(group: int, block: int) -> int | None:
+    """The fewest rows from which a bf16 row's result does not depend on the other rows of its call (at one thread
+    count): 1 with AVX-512 VNNI's 64-row blocks (8-bit x at every row count, tiles as if each row were alone), 3
+    with AVX2's 32-row blocks (its panels; 1-2 rows sum otherwise); None where 3 or more rows take the bf16 or
+    fp32 sums."""
+    if not eight_bit_activations(3, group, block):
+        return None
+    return 1 if block == 64 else 3
+
+
 def quantize_activations(x: torch.Tensor) -> torch.Tensor:
     """The values the 8-bit paths multiply by: x [M, K] per QBLOCK inputs rounded to d · int8, d = max|x| / 127."""
     xb = x.float().view(x.shape[0], -1, QBLOCK)

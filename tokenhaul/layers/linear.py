@@ -50,6 +50,10 @@ class Linear:
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         raise NotImplementedError
 
+    def pin_one_kernel(self) -> None:
+        """Keep one kernel at every row count, so a row's numbers do not depend on its batch (--deterministic)."""
+        raise NotImplementedError
+
     def tensors(self) -> list[torch.Tensor]:
         raise NotImplementedError
 

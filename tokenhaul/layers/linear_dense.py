@@ -3,6 +3,8 @@ CPU take the C++ few-row GEMV (layers/bf16_gemv.py) up to 8 rows: 1.2-2.2x torch
 
 from __future__ import annotations
 
+import sys
+
 import torch
 
 from tokenhaul.layers import bf16_gemv
@@ -25,8 +27,18 @@ class DenseLinear(Linear):
         self.widen = weight.dtype == torch.bfloat16 and not low_precision_gemm_is_fast(weight.device)
         self.gemv = (weight.dtype == torch.bfloat16 and not transposed and weight.device.type == "cpu"
                      and bf16_gemv.available())
-        self.gemv_rows = bf16_gemv.MAX_ROWS  # the GEMV up to here; batch_invariant (--deterministic): every count
-        self.row_by_row = False  # batch_invariant without the GEMV: one F.linear call per row (the same kernel)
+        self.gemv_rows = bf16_gemv.MAX_ROWS  # the GEMV up to here (pin_one_kernel: every count)
+        self.row_by_row = False  # pinned without the GEMV: one F.linear call per row (the same kernel)
+
+    def pin_one_kernel(self) -> None:
+        """One row-invariant kernel at every row count (--deterministic). torch's bf16 F.linear is not (oneDNN
+        picks its kernel by row count: SmolLM2's 1536→576 down projection differs at 64 rows), so bf16 takes the
+        C++ GEMV, whose passes of up to 8 rows sum each row alike, at every count; without it one F.linear call
+        per row. fp32 keeps torch's GEMM (not row-invariant in the last bits from 8 rows: README)."""
+        self.widen = False
+        if self.weight.dtype != torch.float32:
+            self.gemv_rows = sys.maxsize
+            self.row_by_row = not self.gemv
 
     @classmethod
     def build(cls, parts: list[Part], bias, dtype, device, group=None) -> DenseLinear:

@@ -5,6 +5,8 @@ Value = (q - 8) * scale + zero per group of `group` inputs, q in 0..15. GGUF Q4_
 
 from __future__ import annotations
 
+import sys
+
 import torch
 import torch.nn.functional as F
 
@@ -79,8 +81,8 @@ def unquads(weight: torch.Tensor) -> torch.Tensor:
 class Int4Linear(Linear):
     """`gemv_rows` rows or fewer: the C++ GEMV (int4_gemv.py); then `_weight_int4pack_mm_for_cpu` (or the CUDA
     `_weight_int4pack_mm`) up to `max_rows` rows; more rows dequantize to bf16 and run one dense GEMM (the packed
-    kernel scales like a loop of GEMVs). `max_rows` None (the batch-invariant factory): int4pack at every row
-    count, so a row's numbers do not depend on its batch."""
+    kernel scales like a loop of GEMVs). `pin_one_kernel` (the batch-invariant factory) keeps one kernel at every
+    row count, so a row's numbers do not depend on its batch."""
 
     gemv_rows = int4_gemv.rows()  # the C++ GEMV up to here: 112 rows with AVX-512 BF16, every step's with AVX2
 
@@ -90,6 +92,7 @@ class Int4Linear(Linear):
     # torch-op fallback 0.45 at 64, 0.85-0.99 at 192, 0.89-1.16 at 256.
     max_rows: int | None = 56
     max_rows_fallback = 224
+    min_rows = 1  # fewer rows are padded up to this many (pin_one_kernel)
 
     def __init__(self, weight: torch.Tensor, scales_zeros: torch.Tensor, group: int, out_features: int,
                  in_features: int, bias: torch.Tensor | None) -> None:
@@ -114,6 +117,17 @@ class Int4Linear(Linear):
         if not self.cuda and gemv_rows > 0 and max_rows is not None and max_rows <= gemv_rows:
             w, sz = gemv_layout(w, sz, self.block)
         self.weight, self.scales_zeros = w, sz
+
+    def pin_one_kernel(self) -> None:
+        """One row-invariant kernel at every row count (--deterministic): the C++ GEMV where a row's sums do not
+        depend on its batch (fewer rows than `int4_gemv.invariant_from` are padded up to it), else int4pack."""
+        self.widen = False
+        rows = int4_gemv.invariant_from(self.group, self.block) if self.gemv_rows > 0 else None
+        if rows is None:
+            self.set_rows(self.gemv_rows, None)
+            return
+        self.min_rows = rows
+        self.set_rows(sys.maxsize, sys.maxsize)
 
     def torch_scales(self) -> torch.Tensor:
         """The scales in torch's order [K / group, N_padded, 2] (a copy where they lie in the GEMV's)."""
@@ -153,7 +167,10 @@ class Int4Linear(Linear):
         if self.max_rows is not None and x.shape[0] > self.max_rows and not self.cuda:
             y = x.float() @ self.dense_t().float() if self.widen else xb @ self.dense_t()
         elif self.max_rows is not None and x.shape[0] <= self.gemv_rows:
-            y = torch.ops.tokenhaul_int4.gemv(xb, self.weight, self.scales_zeros, self.group, self.block)
+            m = x.shape[0]
+            if m < self.min_rows:  # pinned to rows that sum as in any batch: zero rows make up the rest
+                xb = F.pad(xb, (0, 0, 0, self.min_rows - m))
+            y = torch.ops.tokenhaul_int4.gemv(xb, self.weight, self.scales_zeros, self.group, self.block)[:m]
         elif self.cuda:
             y = torch.ops.aten._weight_int4pack_mm(xb, self.weight, self.group, self.scales_zeros)
         else:

@@ -11,6 +11,8 @@ SmolLM2 0.8 % perplexity through its lm_head and greedy agreement with fp32 belo
 
 from __future__ import annotations
 
+import sys
+
 import torch
 
 from tokenhaul.layers import int8_gemv
@@ -68,6 +70,15 @@ class Int8Linear(Linear):
             return m <= self.gemv_max
         k = self.in_features
         return m <= self.packed_rows and (m == 1 or (m <= int8_gemv.MAX_ROWS and m * k <= 4096))
+
+    def pin_one_kernel(self) -> None:
+        """One row-invariant kernel at every row count (--deterministic): the C++ GEMV (each row summed alike in
+        any pass), else the integer GEMM (exact int32 sums)."""
+        self.widen = False
+        if self.gemv:
+            self.gemv_max = sys.maxsize
+        else:
+            self.packed_rows = 0
 
     @classmethod
     def supports(cls, in_features: int, group: int | None) -> bool:

@@ -103,18 +103,7 @@ class LinearFactory:
             if fmt != "dense":
                 self.built[name] = lin
         if self.batch_invariant:  # one kernel at every row count: a row's numbers must not depend on the batch
-            if lin.format == "int4":
-                lin.set_rows(lin.gemv_rows, None)
-            if lin.format == "int8":
-                lin.packed_rows = 0  # the integer GEMM's int32 sums are exact, so each row is its own
-                lin.gemv = False
-            if lin.format == "dense" and lin.weight.dtype != torch.float32:
-                # torch's bf16 F.linear is not row-invariant (oneDNN picks its kernel by row count: SmolLM2's
-                # 1536→576 down projection differs at 64 rows), so the C++ GEMV, whose passes of up to 8 rows sum
-                # each row the same way, at every row count; without it, one F.linear call per row
-                lin.gemv_rows = sys.maxsize
-                lin.row_by_row = not lin.gemv
-            lin.widen = False  # no fp32 GEMM from some row count on (AVX2 hosts), even where it is faster
+            lin.pin_one_kernel()
         self.made.append(lin)
         return lin
 

@@ -48,6 +48,7 @@ class ModelCosts:
     # decodes read each sequence's own blocks in place (kv/decode_attention.py: int8 and bf16 caches on the CPU;
     # layers/attention.decodes_in_place), not a gathered copy padded to the group's longest table
     decodes_in_place: bool = False
+    queries_in_place: bool = False  # --deterministic: every prefill query read in place as a decode of its own
     # activation sparsity (layers/linear_sparse.py): the share of inputs zeroed, and per "most rows the gathered
     # kernel runs" the bytes of the sparse projections' input-channel rows (inside layer_weight_bytes)
     sparsity: float = 0.0
@@ -68,7 +69,7 @@ class ModelCosts:
     @classmethod
     def from_model(cls, model, kv_itemsize: float, deterministic: bool = False) -> ModelCosts:
         """Cost a loaded model whose K/V cache stores `kv_itemsize` bytes a value (4 fp32, 2 bf16, under 2 int8
-        with its scales); `deterministic`: --deterministic (every decode through SDPA)."""
+        with its scales); `deterministic`: --deterministic (prefill queries read in place too, one row each)."""
         c = model.config
         layer_bytes = layer_params = 0
         norm_bytes = model.norm.weight.nbytes
@@ -90,13 +91,14 @@ class ModelCosts:
                     norms.add(id(v))
                     norm_bytes += v.weight.nbytes
         embed = model.embed  # packed or dense: a gather reads whole stored rows
+        in_place = decodes_in_place(_kv_dtype(kv_itemsize), embed.device.type)
         head_rows = model.lm_head.max_rows if hasattr(model.lm_head, "threshold") else 0
         return cls(c, layer_bytes, model.lm_head.weight_bytes, embed.row_bytes,
                    norm_bytes, round(2 * c.num_layers * c.num_kv_heads * c.head_dim * kv_itemsize),
                    layer_params, model.lm_head.in_features * model.lm_head.out_features,
                    kv_itemsize=kv_itemsize, device=embed.device.type, weight_formats=tuple(formats.items()),
                    kv_quantized=kv_itemsize < 2,
-                   decodes_in_place=decodes_in_place(_kv_dtype(kv_itemsize), embed.device.type, deterministic),
+                   decodes_in_place=in_place, queries_in_place=in_place and deterministic,
                    sparsity=sparsity, sparse_rows=tuple(sorted(sparse.items())), lm_head_max_rows=head_rows)
 
     @classmethod
@@ -230,13 +232,15 @@ def step_costs(mc: ModelCosts, chunks: list[tuple[int, int]], num_sampled: int,
         B = len(ends)
         nb = max(-(-e // block_size) for e in ends)
         L = nb * block_size
-        if n == 1 and mc.decodes_in_place:  # the blocks holding keys visible to the query at position e - 1
-            read = sum((1 - sliding) * _visible_slots(e, block_size, None) + sliding * _visible_slots(
-                e, block_size, window) for e in ends)
+        if mc.decodes_in_place and (n == 1 or mc.queries_in_place):
+            # the blocks holding keys visible to each query (at position q - 1)
+            queries = [e - i for e in ends for i in range(n)]
+            read = sum((1 - sliding) * _visible_slots(q, block_size, None) + sliding * _visible_slots(
+                q, block_size, window) for q in queries)
             direct += read
             gathered += read
             attn += read
-            pad += sum(-(-e // block_size) * block_size - e for e in ends)
+            pad += sum(-(-q // block_size) * block_size - q for q in queries)
         else:
             gathered += B * L
             attn += B * n * L
