@@ -130,3 +130,11 @@ def test_rejected_drafts_are_not_charged_a_neighbours_prompt_logprobs(ledger_cor
 
     plain, asked = rejected(None), rejected(5)
     assert plain[0] > 0 and asked == plain
+
+
+def test_views_past_what_was_gathered_cost_no_negative_bytes():
+    """A caller's view_slots beyond the slots gathered (a decode read in place is no view) copy nothing."""
+    mc = ModelCosts.from_model(tiny_model(dtype=torch.bfloat16), 2)
+    assert mc.decodes_in_place
+    alone = step_costs(mc, [(5, 1)], 1, block_size=16)
+    assert step_costs(mc, [(5, 1)], 1, block_size=16, view_slots=16).kv_gather_bytes == alone.kv_gather_bytes == 0

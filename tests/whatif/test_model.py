@@ -127,3 +127,35 @@ def test_kernel_curves_interpolate_between_measured_rows():
     curve = [(1, 1.0), (8, 2.0), (64, 9.0)]
     assert interpolate(curve, 1) == 1.0 and interpolate(curve, 4) == pytest.approx(1 + 3 / 7)
     assert interpolate(curve, 128) == pytest.approx(9.0 + 7.0 * 64 / 56)  # extended from the last two
+
+
+def test_decode_time_grows_with_context_and_no_part_is_negative():
+    """A lone decode on a bf16 cache is read in place (the C++ kernel), not a view of gathered blocks: the
+    gather copy costs nothing then, so decode time grows with context and no part goes below zero."""
+    dram = hw([Tier("DRAM", 1e12, 100e9)], paged_kernel="gather", gather_bandwidth=10e9)
+    tpot = []
+    for context in (512, 4096, 8000):
+        p = predict(Workload("t", CFG, context=context, new_tokens=8, quantization="int4"), dram)
+        for phase in ("prefill", "decode"):
+            assert all(s >= 0 for s in p.as_dict()["seconds_by_part"][phase].values()), (context, phase)
+        tpot.append(p.tpot_s)
+    assert 0 < tpot[0] < tpot[1] < tpot[2]
+
+
+def test_schedule_views_what_the_runner_views():
+    """As engine/runner.py: only a call of one sequence is read as a view, and never a decode read in place;
+    two prompts sharing a call are gathered. Views never exceed the slots a step gathers."""
+    from tokenhaul.ledger.costs import step_costs
+    from tokenhaul.whatif.workload import schedule
+
+    for kv, in_place in (("bf16", True), ("fp32", False)):
+        w = Workload("t", CFG, batch=2, context=40, new_tokens=3, kv_dtype=kv)
+        assert w.costs().decodes_in_place == in_place
+        steps = list(schedule(w))
+        assert steps[0] == ([(0, 40), (0, 40)], 2, 0)  # one call of two prompts: gathered
+        assert all(view == 0 for chunks, _, view in steps if len(chunks) > 1)
+        for chunks, sampled, _ in steps:
+            assert step_costs(w.costs(), chunks, sampled, block_size=16).kv_gather_bytes >= 0
+        one = list(schedule(Workload("t", CFG, context=40, new_tokens=3, kv_dtype=kv)))
+        assert one[0][2] == 48  # a lone prompt: its 3 blocks are a view
+        assert [view for _, _, view in one[1:]] == [0 if in_place else 48] * 2

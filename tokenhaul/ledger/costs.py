@@ -263,8 +263,9 @@ def step_costs(mc: ModelCosts, chunks: list[tuple[int, int]], num_sampled: int,
     kv_read = round(gathered * kv_tok)
     ratio = mc.compute_itemsize / mc.kv_itemsize
     gathered = round(gathered - direct)  # decodes read in place copy nothing
-    if mc.kv_quantized:  # prefill chunks dequantize a copy, viewed or gathered
-        view_slots = 0
+    # prefill chunks of an int8 cache dequantize a copy, viewed or gathered; a view is never more than was gathered
+    # (a decode read in place is no view: a caller counting it would otherwise make negative bytes)
+    view_slots = 0 if mc.kv_quantized else min(view_slots, gathered)
     copied = (gathered - view_slots) * kv_tok
     gather = copied  # the contiguous copy, written at the cache dtype...
     if mc.kv_itemsize != mc.compute_itemsize:  # ...read back and converted to the compute dtype...

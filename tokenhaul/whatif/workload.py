@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from tokenhaul.engine.attention_calls import attention_calls
 from tokenhaul.errors import TokenhaulError
 from tokenhaul.ledger.costs import ModelCosts
 from tokenhaul.models.config import ModelConfig
@@ -165,6 +166,7 @@ def schedule(w: Workload):
     running: list[int] = []
     waiting = list(range(w.batch))
     bs = w.block_size
+    mc = w.costs()
     while running or waiting:
         budget, chunks, sampled, view = w.max_batched_tokens, [], 0, 0
         for i in running + waiting:
@@ -176,10 +178,11 @@ def schedule(w: Workload):
                 running.append(i)
             chunks.append((i, pos[i], n))
             budget -= n
-        decodes = [ch for ch in chunks if ch[2] == 1]
-        single = len(decodes) == 1
-        for _, start, n in chunks:
-            if n > 1 or single:  # a group of one sequence whose blocks are consecutive: read as a view
+        # as engine/runner.py: a call of one sequence (its blocks consecutive) reads them as a view, unless
+        # the C++ kernel reads its queries in place (decodes, and every query under --deterministic)
+        for call in attention_calls([(n, start + n) for _, start, n in chunks], bs):
+            _, start, n = chunks[call[0]]
+            if len(call) == 1 and not (mc.decodes_in_place and (n == 1 or mc.queries_in_place)):
                 view += -(-(start + n) // bs) * bs
         for i, _, n in chunks:
             pos[i] += n
