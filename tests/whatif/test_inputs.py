@@ -159,3 +159,42 @@ def test_this_machine_profile_is_cached_and_remeasured_for_new_kernels(tmp_path,
     monkeypatch.setattr(machine, "measure_profile", lambda device: calls.append(device) or full)
     machine.this_machine(root=tmp_path)
     assert len(calls) == 3
+
+
+STEP = {"chunks": [["r0", 0, 4]], "sampled": ["r0"], "stage_seconds": {"forward": 0.01}, "kv_view_slots": 16}
+
+
+@pytest.mark.parametrize("steps, run_json", [
+    ("{}\n", None),  # no chunks
+    ("[1, 2]\n", None),  # not an object
+    (json.dumps({**STEP, "stage_seconds": {}}) + "\n", None),  # nothing measured
+    (json.dumps({**STEP, "chunks": [["r0", 0]]}) + "\n", None),  # a chunk without its length
+    (json.dumps({**STEP, "stage_seconds": {"forward": "x"}}) + "\n", None),
+    ("not json\n", None),
+    ("", None),  # no steps at all
+    ("\n\n", None),
+    (json.dumps(STEP) + "\n", "not json"),  # the run.json beside it
+    (json.dumps(STEP) + "\n", "[1]"),
+    (json.dumps(STEP) + "\n", '{"sparsity": "x"}'),
+])
+def test_replay_of_bad_records_is_one_line(tmp_path, capsys, steps, run_json):
+    from tokenhaul.cli import main
+
+    (tmp_path / "steps.jsonl").write_text(steps)
+    if run_json is not None:
+        (tmp_path / "run.json").write_text(run_json)
+    with pytest.raises(SystemExit) as e:
+        main(["whatif", "--hardware", "h100", "--replay", str(tmp_path / "steps.jsonl")])
+    err = capsys.readouterr().err
+    assert e.value.code == 2 and err.startswith("error: ") and err.count("\n") == 1, err
+
+
+def test_replay_of_good_records(tmp_path, capsys):
+    from tokenhaul.cli import main
+
+    (tmp_path / "steps.jsonl").write_text(json.dumps(STEP) + "\n" + json.dumps(
+        {**STEP, "chunks": [["r0", 4, 1]]}) + "\n")
+    (tmp_path / "run.json").write_text('{"model": "smollm2-135m", "quantization": "int8"}')
+    main(["whatif", "--hardware", "h100", "--replay", str(tmp_path / "steps.jsonl")])
+    out = capsys.readouterr().out
+    assert "replay of 2 steps" in out and "int8 weights" in out and "prefill: 1 steps" in out and "decode: 1" in out

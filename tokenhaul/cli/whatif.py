@@ -70,6 +70,20 @@ def workload_options(args: argparse.Namespace) -> dict:
     `tokenhaul trace` writes beside steps.jsonl, else the defaults."""
     given = {k: getattr(args, k) for k in ("model", "quantization", "kv_dtype", "sparsity")}
     run = Path(args.replay).with_name("run.json") if args.replay else None
-    traced = json.loads(run.read_text()) if run is not None and run.is_file() else {}
+    traced = _run_options(run) if run is not None and run.is_file() else {}
     defaults = {"model": catalog.DEFAULT_MODEL, "quantization": "bf16", "kv_dtype": "bf16", "sparsity": 0.0}
     return {k: v if v is not None else traced.get(k, defaults[k]) for k, v in given.items()}
+
+
+def _run_options(run: Path) -> dict:
+    """The run.json `tokenhaul trace` wrote, checked: model, quantization and KV dtype strings, sparsity a number."""
+    try:
+        traced = json.loads(run.read_text())
+    except (OSError, ValueError) as e:
+        raise TokenhaulError(f"cannot read the traced run's options from {run}: {e}") from None
+    if not isinstance(traced, dict):
+        raise TokenhaulError(f"{run}: not a JSON object of the traced run's options")
+    for k, kind in (("model", str), ("quantization", str), ("kv_dtype", str), ("sparsity", (int, float))):
+        if k in traced and (not isinstance(traced[k], kind) or isinstance(traced[k], bool)):
+            raise TokenhaulError(f"{run}: {k} is {traced[k]!r}, not a {'number' if k == 'sparsity' else 'string'}")
+    return traced
