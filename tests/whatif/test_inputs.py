@@ -198,3 +198,16 @@ def test_replay_of_good_records(tmp_path, capsys):
     main(["whatif", "--hardware", "h100", "--replay", str(tmp_path / "steps.jsonl")])
     out = capsys.readouterr().out
     assert "replay of 2 steps" in out and "int8 weights" in out and "prefill: 1 steps" in out and "decode: 1" in out
+
+
+@pytest.mark.parametrize("where", ["/proc/nope", "file"])
+def test_plots_to_a_directory_that_cannot_be_made_is_one_line_before_any_work(tmp_path, capsys, where):
+    from tokenhaul.cli import main
+
+    (tmp_path / "file").write_text("")
+    out = where if where.startswith("/") else str(tmp_path / where / "sub")
+    with pytest.raises(SystemExit) as e:
+        main(["whatif", "--hardware", "h100", "--plots", out])
+    got = capsys.readouterr()
+    assert e.value.code == 2 and got.out == "" and got.err.startswith("error: --plots ") and got.err.count("\n") == 1
+

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 from pathlib import Path
 
@@ -38,6 +39,7 @@ def cmd_whatif(args: argparse.Namespace) -> None:
     from tokenhaul.whatif.modelspec import load_model_config
     from tokenhaul.whatif.workload import Workload, parse_decoding, predict
 
+    plots = plots_dir(args.plots) if args.plots else None  # checked before any work, as trace's --out
     o = workload_options(args)
     name, cfg = load_model_config(o["model"])
     w = Workload(name, cfg, args.batch, args.context, args.new_tokens, o["quantization"], o["kv_dtype"],
@@ -60,9 +62,21 @@ def cmd_whatif(args: argparse.Namespace) -> None:
         print(json.dumps(preds[0].as_dict() if len(preds) == 1 else [p.as_dict() for p in preds]))
     else:
         print(report.text(preds))
-    if args.plots:
-        paths = report.plots(preds, Path(args.plots))
+    if plots is not None:
+        paths = report.plots(preds, plots)
         print("plots: " + ", ".join(map(str, paths)), file=sys.stderr)
+
+
+def plots_dir(path: str) -> Path:
+    """--plots as a directory this process can write into (made if missing)."""
+    out = Path(path)
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+    except OSError as e:  # FileExistsError: a file of that name; else a missing or unwritable parent
+        raise TokenhaulError(f"--plots {out}: cannot be made a directory for the plots ({e.strerror})") from None
+    if not os.access(out, os.W_OK | os.X_OK):
+        raise TokenhaulError(f"--plots {out}: the directory is not writable")
+    return out
 
 
 def workload_options(args: argparse.Namespace) -> dict:
