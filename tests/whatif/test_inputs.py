@@ -211,3 +211,16 @@ def test_plots_to_a_directory_that_cannot_be_made_is_one_line_before_any_work(tm
     got = capsys.readouterr()
     assert e.value.code == 2 and got.out == "" and got.err.startswith("error: --plots ") and got.err.count("\n") == 1
 
+
+def test_a_closed_pipe_exits_quietly():
+    """`tokenhaul whatif | head -1`: the reader gone, whatif exits without a traceback."""
+    import os
+
+    r, w = os.pipe()
+    os.close(r)
+    try:
+        p = subprocess.run([sys.executable, "-m", "tokenhaul.cli", "whatif", "--hardware", "h100"], stdout=w,
+                           stderr=subprocess.PIPE, text=True, timeout=120)
+    finally:
+        os.close(w)
+    assert p.returncode == 0 and p.stderr == "", p.stderr

@@ -47,7 +47,7 @@ def cmd_whatif(args: argparse.Namespace) -> None:
     if args.replay:
         from tokenhaul.whatif.replay import replay
 
-        print(replay(Path(args.replay), w, load_hardware(args.hardware)))
+        _print(replay(Path(args.replay), w, load_hardware(args.hardware)))
         return
     if not args.compare:
         preds = [predict(w, load_hardware(args.hardware))]
@@ -59,9 +59,9 @@ def cmd_whatif(args: argparse.Namespace) -> None:
         if not preds:
             raise TokenhaulError("the workload fits none of the compared profiles")
     if args.json:
-        print(json.dumps(preds[0].as_dict() if len(preds) == 1 else [p.as_dict() for p in preds]))
+        _print(json.dumps(preds[0].as_dict() if len(preds) == 1 else [p.as_dict() for p in preds]))
     else:
-        print(report.text(preds))
+        _print(report.text(preds))
     if plots is not None:
         paths = report.plots(preds, plots)
         print("plots: " + ", ".join(map(str, paths)), file=sys.stderr)
@@ -77,6 +77,14 @@ def plots_dir(path: str) -> Path:
     if not os.access(out, os.W_OK | os.X_OK):
         raise TokenhaulError(f"--plots {out}: the directory is not writable")
     return out
+
+
+def _print(text: str) -> None:
+    """Print to stdout; a reader gone (`| head -1`) is no error: the rest of the output goes nowhere."""
+    try:
+        print(text, flush=True)
+    except BrokenPipeError:
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # so the exit's flush cannot fail again
 
 
 def workload_options(args: argparse.Namespace) -> dict:
