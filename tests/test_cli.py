@@ -88,7 +88,10 @@ def test_bad_sampling_flags(capsys, args, fragment):
 
 
 @pytest.mark.parametrize("value,fragment", [("int4:48", "group must be one of 32, 64, 128"),
-                                             ("fp4", "unknown quantization 'fp4'")])
+                                             ("fp4", "unknown quantization 'fp4'"),
+                                             ("int4:", "'int4:': no group after ':'"),
+                                             ("auto:", "'auto:': auto takes no group"),
+                                             ("int8:64", "'int8:64': int8 takes no group")])
 def test_bad_quantization(capsys, value, fragment):
     code, _, err = run_cli(capsys, "generate", "--prompt", "hi", "--quantization", value)
     assert_one_line_error(code, err, fragment)

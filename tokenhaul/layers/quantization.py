@@ -36,11 +36,16 @@ class QuantSpec:
 
     @classmethod
     def parse(cls, text: str) -> QuantSpec:
-        mode, _, group = text.partition(":")
-        if mode in ("auto", "none", "int8") and not group:
+        mode, sep, group = text.partition(":")
+        if mode in ("auto", "none", "int8") and sep:
+            raise TokenhaulError(f"--quantization '{text}': {mode} takes no group")
+        if mode in ("auto", "none", "int8"):
             return cls(mode)
         if mode == "int4":
-            if not group:
+            if sep and not group:
+                raise TokenhaulError(f"--quantization '{text}': no group after ':' (int4:32, int4:64 or int4:128; "
+                                     "int4 alone is int4:32)")
+            if not sep:
                 return cls("int4", 32)
             if group.isdigit() and int(group) in INT4_GROUPS:
                 return cls("int4", int(group))
