@@ -7,6 +7,7 @@ with auto is the exact path (everything dequantized)."""
 from __future__ import annotations
 
 import sys
+import weakref
 from dataclasses import dataclass
 
 import torch
@@ -26,6 +27,7 @@ AUTO: dict[Q, tuple[str, int | None]] = {
     Q.Q5_0: ("int4", 32), Q.Q5_1: ("int4", 32), Q.Q5_K: ("int4", 32),
     Q.Q6_K: ("int8", None), Q.Q8_0: ("int8", None),
 }
+_DTYPE_NAMES = {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32"}
 _WIDTH = {"int4": 0, "int8": 1, "dense": 2}
 
 
@@ -73,6 +75,13 @@ class LinearFactory:
         self.built: dict[str, Linear] = {}  # non-dense linears converted in this load (to save)
         self.made: list[Linear | Embedding] = []  # everything made, in order (layers/weight_block.py)
         self._warned: set[str] = set()
+        # linears asked for a packed format its kernel cannot take, kept dense: (input width, ...), said once per
+        # load when the factory goes (models/registry.py drops it once the model is built)
+        self._fallbacks: list[int] = []
+        self._linears = [0]
+        if spec.mode in ("int4", "int8") and not self.exact:
+            weakref.finalize(self, _say_fallbacks, str(spec), spec.mode, spec.group, self.dtype, self._fallbacks,
+                             self._linears)
 
     @classmethod
     def for_tensors(cls, w: dict[str, Part]) -> LinearFactory:
@@ -99,7 +108,10 @@ class LinearFactory:
 
     def linear(self, name: str, parts: list[Part], bias: torch.Tensor | None = None) -> Linear:
         fmt, group = self.choose(parts)
+        self._linears[0] += 1
         if not FORMATS[fmt].supports(parts[0].shape[1], group):
+            if self.spec.mode == fmt:
+                self._fallbacks.append(parts[0].shape[1])
             fmt, group = "dense", None
         if fmt != "dense" and name in self.cache and self.cache[name][0] == fmt:
             lin = FORMATS[fmt].from_state(self.cache[name][1], self.device)
@@ -120,3 +132,14 @@ class LinearFactory:
                                   self.device, self.dtype)
         self.made.append(embedding)
         return embedding
+
+
+def _say_fallbacks(spec: str, fmt: str, group: int | None, dtype: torch.dtype, widths: list[int],
+                   linears: list[int]) -> None:
+    """One stderr line: how many of a load's linears asked for `spec` stayed dense, and their input widths."""
+    if not widths:
+        return
+    groups = f" for groups of {group}" if group else ""
+    print(f"tokenhaul: --quantization {spec}: {len(widths)} of {linears[0]} linears kept dense "
+          f"{_DTYPE_NAMES.get(dtype, str(dtype))} (no {fmt} kernel{groups} at input width "
+          f"{', '.join(map(str, sorted(set(widths))))})", file=sys.stderr)

@@ -1,0 +1,33 @@
+"""A requested packed format that some linears cannot take (their input width) is said, once per load."""
+
+from __future__ import annotations
+
+import gc
+
+import torch
+from tiny_models import tiny_model
+
+from tokenhaul.layers.quantization import LinearFactory, QuantSpec
+
+
+def _load(spec: str, capsys, **kw) -> str:
+    make = LinearFactory(QuantSpec.parse(spec), torch.bfloat16)
+    tiny_model(dtype=torch.bfloat16, make=make, **kw)
+    del make  # as models/registry.py does once the model is built
+    gc.collect()
+    return capsys.readouterr().err
+
+
+def test_linears_left_dense_are_named_once_per_load(capsys):
+    # hidden 64 and FFN 96: no linear's input width is a multiple of 128 (2 layers of qkv, o, gate_up, down; lm_head)
+    err = _load("int4:128", capsys)
+    assert err == "tokenhaul: --quantization int4:128: 9 of 9 linears kept dense bf16 (no int4 kernel for " \
+                  "groups of 128 at input width 64, 96)\n"
+    # FFN 128: the two down projections take groups of 128, the rest stay dense
+    err = _load("int4:128", capsys, ffn_size=128)
+    assert err.count("\n") == 1 and "7 of 9 linears kept dense bf16" in err and "input width 64)" in err
+
+
+def test_every_linear_packed_says_nothing(capsys):
+    assert _load("int4:32", capsys) == ""
+    assert _load("none", capsys) == ""
