@@ -138,3 +138,27 @@ def test_views_past_what_was_gathered_cost_no_negative_bytes():
     assert mc.decodes_in_place
     alone = step_costs(mc, [(5, 1)], 1, block_size=16)
     assert step_costs(mc, [(5, 1)], 1, block_size=16, view_slots=16).kv_gather_bytes == alone.kv_gather_bytes == 0
+
+
+def test_sparse_linears_multiply_only_their_kept_rows():
+    """Activation sparsity (layers/linear_sparse.py): a step of at most max_rows rows multiplies only the kept
+    inputs' rows of every sparse projection, as it reads only their bytes; the lm_head over its sampled rows too.
+    Past max_rows the layers run dense (zeroed inputs still multiplied); prompt logprob rows are dense."""
+    from tokenhaul.layers.linear_sparse import SPARSE_LINEARS, sparsify
+
+    model = tiny_model()
+    dense = ModelCosts.from_model(model, 4)
+    names = [f"blk.{i}.{n}" for i in range(model.config.num_layers) for n in SPARSE_LINEARS]
+    sparsify(model, dict.fromkeys([*names, "lm_head"], 0.1), 0.4)
+    mc = ModelCosts.from_model(model, 4)
+    assert mc.sparse_rows[0][0] == mc.lm_head_max_rows == 2 and mc.layer_params == dense.layer_params
+
+    def saved(chunks, sampled, **kw):
+        return step_costs(dense, chunks, sampled, **kw).flops - step_costs(mc, chunks, sampled, **kw).flops
+
+    layer, head = 2 * dense.layer_params, 2 * dense.lm_head_params  # FLOPs of one row
+    assert saved([(10, 1)], 1) == pytest.approx(0.4 * (layer + head), abs=2)
+    assert saved([(10, 1), (4, 1)], 2) == pytest.approx(0.4 * 2 * (layer + head), abs=2)
+    assert saved([(0, 9)], 1) == pytest.approx(0.4 * head, abs=2)  # the layers' dense pass
+    assert saved([(0, 9)], 1, prompt_logit_rows=9) == pytest.approx(0.4 * head, abs=2)
+    assert saved([(10, 1), (4, 1), (7, 1)], 3) == 0  # over max_rows: every row multiplied

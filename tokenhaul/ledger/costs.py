@@ -53,6 +53,7 @@ class ModelCosts:
     # kernel runs" the bytes of the sparse projections' input-channel rows (inside layer_weight_bytes)
     sparsity: float = 0.0
     sparse_rows: tuple[tuple[int, int], ...] = ()  # (max_rows, row bytes)
+    sparse_params: tuple[tuple[int, int], ...] = ()  # (max_rows, multiply-adds per row of those projections)
     lm_head_max_rows: int = 0  # a sparse lm_head gathers its kept input rows up to this many sampled rows
 
     @property
@@ -76,11 +77,13 @@ class ModelCosts:
         norms = {id(model.norm)}
         formats = {getattr(model.lm_head, "format", "dense"): 1}
         sparse: dict[int, int] = {}  # max_rows → row bytes
+        sparse_params: dict[int, int] = {}  # max_rows → multiply-adds per row
         sparsity = 0.0
         for layer in model.layers:
             for name, v in vars(layer).items():
                 if hasattr(v, "threshold"):  # a SparseLinear: reads only its kept inputs' rows
                     sparse[v.max_rows] = sparse.get(v.max_rows, 0) + v.row_bytes * v.in_features
+                    sparse_params[v.max_rows] = sparse_params.get(v.max_rows, 0) + v.in_features * v.out_features
                     sparsity = v.sparsity
                 if hasattr(v, "weight_bytes"):
                     fmt = getattr(v, "format", "dense")
@@ -99,7 +102,8 @@ class ModelCosts:
                    kv_itemsize=kv_itemsize, device=embed.device.type, weight_formats=tuple(formats.items()),
                    kv_quantized=kv_itemsize < 2,
                    decodes_in_place=in_place, queries_in_place=in_place and deterministic,
-                   sparsity=sparsity, sparse_rows=tuple(sorted(sparse.items())), lm_head_max_rows=head_rows)
+                   sparsity=sparsity, sparse_rows=tuple(sorted(sparse.items())),
+                   sparse_params=tuple(sorted(sparse_params.items())), lm_head_max_rows=head_rows)
 
     @classmethod
     def from_config(cls, c: ModelConfig, weight_bits: float = 16.0, kv_itemsize: float = 2.0,
@@ -276,13 +280,19 @@ def step_costs(mc: ModelCosts, chunks: list[tuple[int, int]], num_sampled: int,
     if mc.kv_quantized:  # the in-place scaling pass over the dequantized values: read and written
         gather += 2 * int(gathered * kv_tok * ratio)
     lm_head = mc.lm_head_bytes if num_sampled else 0
+    head_rows = float(num_sampled)  # sampled rows the lm_head multiplies in full
     if 0 < num_sampled <= mc.lm_head_max_rows:  # a sparse lm_head: each sampled row reads its kept inputs' rows
         lm_head = round(mc.lm_head_bytes * num_sampled * (1 - mc.sparsity))
+        head_rows = num_sampled * (1 - mc.sparsity)  # and multiplies only those
     lm_head += mc.lm_head_bytes * -(-prompt_logit_rows // PROMPT_ROWS)  # dense: more than a few rows
     layer_bytes = mc.layer_weight_bytes
     for max_rows, row_bytes in mc.sparse_rows:  # gathered GEMVs: each row reads only its kept inputs' rows
         if T <= max_rows:
             layer_bytes += round(row_bytes * (T * (1 - mc.sparsity) - 1))
+    layer_macs = T * mc.layer_params
+    for max_rows, params in mc.sparse_params:  # ...and multiplies only those (past max_rows: zeroed inputs too)
+        if T <= max_rows:
+            layer_macs -= round(T * params * mc.sparsity)
     on_device = mc.device != "cpu"
     return StepCosts(
         weight_bytes=layer_bytes + mc.norm_bytes + lm_head + T * mc.embed_row_bytes,
@@ -296,7 +306,7 @@ def step_costs(mc: ModelCosts, chunks: list[tuple[int, int]], num_sampled: int,
         metadata_bytes=meta,
         h2d_bytes=meta + mask_alias if on_device else 0,
         d2h_bytes=num_sampled * ID_BYTES if on_device else 0,
-        flops=2 * T * mc.layer_params + 2 * (num_sampled + prompt_logit_rows) * mc.lm_head_params
+        flops=2 * layer_macs + round(2 * (head_rows + prompt_logit_rows) * mc.lm_head_params)
         + round(4 * attn * c.num_heads * c.head_dim * c.num_layers),  # linears; QK^T and PV
     )
 
