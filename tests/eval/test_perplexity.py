@@ -62,3 +62,23 @@ def test_int8_kv_decode_tail_stays_close(tiny_core):
     int8, m = window_nll(_harness(tiny_core, kv_dtype="int8"), ids, 120, 120, decode_tail=60)
     assert n == m
     assert math.exp(int8 / m) == pytest.approx(math.exp(exact / n), rel=0.03)
+
+
+@pytest.mark.parametrize("sparsity", [0.0, 0.4])
+def test_eval_ppl_names_its_sparsity(monkeypatch, capsys, sparsity):
+    """The text line and --json say the activation sparsity the perplexity was measured at."""
+    import json
+
+    import tokenhaul.eval.perplexity as perplexity
+    import tokenhaul.llm as llm
+    from tokenhaul.cli import main
+
+    monkeypatch.setattr(llm, "LLM", lambda model, **kw: SimpleNamespace(files=SimpleNamespace(name=model), kw=kw))
+    monkeypatch.setattr(perplexity, "evaluate", lambda *a: {"perplexity": 9.5, "tokens": 100, "seconds": 1.0,
+                                                            "parts": {}})
+    args = ["eval", "ppl", "--model", "m", "--sparsity", str(sparsity)]
+    main(args + ["--json"])
+    assert json.loads(capsys.readouterr().out)["sparsity"] == sparsity
+    main(args)
+    out = capsys.readouterr().out
+    assert ("sparsity 0.4" in out) == (sparsity == 0.4) and "perplexity 9.5000" in out

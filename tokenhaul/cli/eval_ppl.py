@@ -48,12 +48,13 @@ def cmd_eval_ppl(args: argparse.Namespace) -> None:
                                 "enable_prefix_caching": False}
     llm = LLM(args.model, **kw)
     res = {"model": llm.files.name, "quantization": args.quantization, "dtype": args.dtype, "kv_dtype": args.kv_dtype,
-           "decode_tail": args.decode_tail,
+           "sparsity": args.sparsity, "decode_tail": args.decode_tail,
            **evaluate(llm, args.corpus, args.max_tokens, args.window, stride, args.decode_tail)}
     if args.json:
         print(json.dumps(res))
         return
     parts = ", ".join(f"{k} {v['perplexity']:.3f} ({v['tokens']} tokens)" for k, v in res["parts"].items())
     tail = f", last {args.decode_tail} of each window decoded" if args.decode_tail else ""
-    print(f"{res['model']} {args.quantization} {args.dtype} kv {args.kv_dtype}{tail}: perplexity "
+    sparse = f" sparsity {args.sparsity:g}" if args.sparsity else ""
+    print(f"{res['model']} {args.quantization} {args.dtype} kv {args.kv_dtype}{sparse}{tail}: perplexity "
           f"{res['perplexity']:.4f} over {res['tokens']} tokens [{parts}] in {res['seconds']:.1f} s")
