@@ -204,3 +204,58 @@ def test_draft_quantization_default_is_int4_under_bf16_only():
     assert EngineConfig(dtype="bf16", draft_quantization="none").draft_quant == "none"
     with pytest.raises(TokenhaulError, match="--draft-quantization: unknown quantization 'int3'"):
         EngineConfig(draft_quantization="int3")
+
+
+class Oracle:
+    """Drafts the known greedy continuation, so every draft is accepted (a stand-in for prompt lookup or
+    Jacobi on text they guess right)."""
+
+    writes_kv = False
+
+    def __init__(self, tokens: list[int]) -> None:
+        self.tokens = tokens
+
+    def propose(self, reqs, ks):
+        for r, k in zip(reqs, ks):
+            r.draft_token_ids = self.tokens[r.num_tokens:r.num_tokens + k] if k > 0 else []
+        return [None] * len(reqs)
+
+    def observe(self, req, drafts, targets, accepted):
+        pass
+
+    def forget(self, request_id):
+        pass
+
+
+@pytest.mark.parametrize("spec", ["prompt_lookup", "jacobi", "draft"])
+@pytest.mark.parametrize("stop", ["stop_token", "eos"])
+def test_a_stop_inside_a_run_of_accepted_drafts_ends_the_request_there(spec, stop):
+    """A stop token among accepted drafts, 2+ places before the run's end: the request ends at it (was: the
+    positions past the stop counted as computed, and the prefix cache's register raised IndexError, aborting
+    the batch). Only blocks of the request's own tokens are cached, and every block comes back."""
+    from tokenhaul.kv.prefix_cache import chain_hashes
+
+    prompt = prompts(1)[0]
+    plain = run_requests(core_with(), [prompt], greedy(max_tokens=24))[0]
+    stops = [i for i in range(2, 7) if plain[i] not in plain[:i]]  # inside the first run of 8 accepted drafts
+    assert len(stops) >= 2
+    for i in stops:
+        tok = plain[i]
+        cfg = EngineConfig(model="tiny", dtype="fp32", num_kv_blocks=64, block_size=4)
+        core = EngineCore(cfg, tiny_model(), draft_model=tiny_model() if spec == "draft" else None)
+        if spec != "draft":
+            core.decoder.proposers[spec] = Oracle(prompt + plain)
+        core.observer = counter = SpecCounter()
+        params = SamplingParams(max_tokens=24, temperature=0, speculative=spec, num_speculative_tokens=8,
+                                stop_token_ids=[tok] if stop == "stop_token" else [])
+        core.add_request("r", prompt, params, (tok,) if stop == "eos" else ())
+        out, reason = [], None
+        while core.has_unfinished():
+            for d in core.step():
+                out += d.new_token_ids
+                reason = d.finish_reason if d.finished else reason
+        assert out == plain[:i + 1] and reason == "stop"
+        assert counter.accepted >= 8 and counter.rejected == 0  # the stop came inside a run of accepted drafts
+        assert core.pool.num_used == 0
+        own = set(chain_hashes(prompt + out, 4, []))
+        assert {h for h, _ in core.prefix_cache._content.values()} <= own

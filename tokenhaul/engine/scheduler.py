@@ -243,8 +243,9 @@ class Scheduler:
     def update(self, out: SchedulerOutput, accepted: dict[str, list[int]]) -> list[Request]:
         """Advance each chunk's request by what was accepted: a chunk of n tokens ending in d drafts,
         of which a were accepted (then len(tokens) == a + 1), computed n - (d - a) positions; the
-        accepted tokens are appended until one stops the request; rejected slots are rolled back.
-        Returns the requests that finished."""
+        accepted tokens are appended until one stops the request; rejected slots are rolled back, and so
+        are the accepted ones past a stop (their KV is not the finished request's: it must neither count
+        as computed nor reach the prefix cache). Returns the requests that finished."""
         finished = []
         for c in out.chunks:
             req = c.request
@@ -254,8 +255,9 @@ class Scheduler:
             rejected = c.num_drafts - (len(tokens) - 1) if tokens else c.num_drafts
             req.num_computed_tokens += c.num_tokens - rejected
             req.draft_token_ids = []
-            reason = None
+            reason, kept = None, 0
             for tok in tokens:
+                kept += 1
                 req.output_token_ids.append(tok)
                 if req.grammar is not None:
                     req.grammar.accept(tok)
@@ -263,6 +265,9 @@ class Scheduler:
                 if reason is not None:
                     break
             if reason is not None:
+                if kept < len(tokens):  # accepted drafts past the stop: as if rejected
+                    req.num_computed_tokens -= len(tokens) - kept
+                    self.kv.truncate(req, req.num_computed_tokens)
                 self.kv.commit(req)  # its computed blocks serve later prompts, also when it ends at its prefill
                 self.running.remove(req)
                 self._finish(req, reason)
