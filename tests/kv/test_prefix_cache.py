@@ -52,3 +52,15 @@ def test_forced_collisions_never_change_outputs(tiny_core, monkeypatch):
     got = [run_requests(core, [p], params)[0] for p in ps]  # one after another: each sees the last's blocks
     assert got == want
     assert core.prefix_cache.hit_tokens == 4  # the third shares its first block with the first: a true hit
+
+
+def test_register_caches_only_blocks_of_the_tokens_given():
+    """num_computed past the tokens (KV written for drafts the request did not keep) registers only the full
+    blocks of the tokens themselves: was an IndexError, and no block may be cached under tokens it lacks."""
+    pool = BlockPool(8, 4)
+    pc = PrefixCache(pool)
+    toks = [1, 2, 3, 4, 5, 6]
+    ids = pool.allocate(3)
+    assert pc.register(toks, 11, ids, []) == chain_hashes(toks, 4, [])  # one full block, not two
+    pool.free(ids)
+    assert pc.match([1, 2, 3, 4, 5, 6, 7, 8, 9])[0] == ids[:1]

@@ -64,11 +64,12 @@ class PrefixCache:
 
     def register(self, token_ids: list[int], num_computed: int, block_ids: list[int],
                  hashes: list[int]) -> list[int]:
-        """Cache every block that is now full and computed; returns the extended hash chain."""
+        """Cache every block that is now full and computed; returns the extended hash chain. Only blocks of
+        `token_ids` count: slots computed past them (drafts not kept) hold no token of the request."""
         if not self.enabled:
             return hashes
         bs = self.pool.block_size
-        full = num_computed // bs
+        full = min(num_computed, len(token_ids)) // bs
         if full <= len(hashes):
             return hashes
         old = len(hashes)
