@@ -1,8 +1,7 @@
-"""A requested packed format that some linears cannot take (their input width) is said, once per load."""
+"""A requested packed format that some linears cannot take (their input width) is said, once per load
+(models/registry.py calls say_fallbacks once the model is built)."""
 
 from __future__ import annotations
-
-import gc
 
 import torch
 from tiny_models import tiny_model
@@ -13,8 +12,7 @@ from tokenhaul.layers.quantization import LinearFactory, QuantSpec
 def _load(spec: str, capsys, **kw) -> str:
     make = LinearFactory(QuantSpec.parse(spec), torch.bfloat16)
     tiny_model(dtype=torch.bfloat16, make=make, **kw)
-    del make  # as models/registry.py does once the model is built
-    gc.collect()
+    make.say_fallbacks()
     return capsys.readouterr().err
 
 

@@ -7,7 +7,6 @@ with auto is the exact path (everything dequantized)."""
 from __future__ import annotations
 
 import sys
-import weakref
 from dataclasses import dataclass
 
 import torch
@@ -75,13 +74,8 @@ class LinearFactory:
         self.built: dict[str, Linear] = {}  # non-dense linears converted in this load (to save)
         self.made: list[Linear | Embedding] = []  # everything made, in order (layers/weight_block.py)
         self._warned: set[str] = set()
-        # linears asked for a packed format its kernel cannot take, kept dense: (input width, ...), said once per
-        # load when the factory goes (models/registry.py drops it once the model is built)
-        self._fallbacks: list[int] = []
-        self._linears = [0]
-        if spec.mode in ("int4", "int8") and not self.exact:
-            weakref.finalize(self, _say_fallbacks, str(spec), spec.mode, spec.group, self.dtype, self._fallbacks,
-                             self._linears)
+        self._fallbacks: list[int] = []  # input widths of linears asked for a format its kernel cannot take
+        self._linears = 0
 
     @classmethod
     def for_tensors(cls, w: dict[str, Part]) -> LinearFactory:
@@ -108,7 +102,7 @@ class LinearFactory:
 
     def linear(self, name: str, parts: list[Part], bias: torch.Tensor | None = None) -> Linear:
         fmt, group = self.choose(parts)
-        self._linears[0] += 1
+        self._linears += 1
         if not FORMATS[fmt].supports(parts[0].shape[1], group):
             if self.spec.mode == fmt:
                 self._fallbacks.append(parts[0].shape[1])
@@ -124,6 +118,17 @@ class LinearFactory:
         self.made.append(lin)
         return lin
 
+    def say_fallbacks(self) -> None:
+        """One stderr line once the model is built: how many linears asked for --quantization int4/int8 stayed
+        dense because the kernel cannot take their input width."""
+        if not self._fallbacks:
+            return
+        spec, group = self.spec, self.spec.group
+        groups = f" for groups of {group}" if group else ""
+        print(f"tokenhaul: --quantization {spec}: {len(self._fallbacks)} of {self._linears} linears kept dense "
+              f"{_DTYPE_NAMES.get(self.dtype, str(self.dtype))} (no {spec.mode} kernel{groups} at input width "
+              f"{', '.join(map(str, sorted(set(self._fallbacks))))})", file=sys.stderr)
+
     def embedding(self, table: Part) -> Embedding:
         if isinstance(table, GGUFWeight) and not self.exact:
             embedding = Embedding(table, self.device, self.dtype)
@@ -132,14 +137,3 @@ class LinearFactory:
                                   self.device, self.dtype)
         self.made.append(embedding)
         return embedding
-
-
-def _say_fallbacks(spec: str, fmt: str, group: int | None, dtype: torch.dtype, widths: list[int],
-                   linears: list[int]) -> None:
-    """One stderr line: how many of a load's linears asked for `spec` stayed dense, and their input widths."""
-    if not widths:
-        return
-    groups = f" for groups of {group}" if group else ""
-    print(f"tokenhaul: --quantization {spec}: {len(widths)} of {linears[0]} linears kept dense "
-          f"{_DTYPE_NAMES.get(dtype, str(dtype))} (no {fmt} kernel{groups} at input width "
-          f"{', '.join(map(str, sorted(set(widths))))})", file=sys.stderr)

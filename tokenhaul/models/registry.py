@@ -39,6 +39,7 @@ def load_model(gguf_path, dtype: torch.dtype, device: str, max_model_len: int | 
     cache = WeightCache(cache_dir, Path(gguf_path), spec, device) if cache_dir else None
     factory = LinearFactory(spec, dtype, device, cache.load() if cache else None, batch_invariant)
     model = ARCHITECTURES[config.arch](config, tensors, max_len, factory)
+    factory.say_fallbacks()
     if cache and factory.built:
         cache.save(factory.built)
     made = factory.made
