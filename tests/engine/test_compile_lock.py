@@ -33,8 +33,7 @@ def exit_of_a_run(monkeypatch, config: EngineConfig, packages=()) -> list[list[s
     monkeypatch.setattr(compiled_decode.subprocess, "Popen", lambda args, **kw: started.append(list(args)))
     monkeypatch.setattr(compiled_decode.atexit, "register", lambda f, *a, **kw: due.append((f, a, kw)))
     monkeypatch.setattr(compiled_decode, "_after_exit", set())
-    monkeypatch.setattr(compiled_decode, "_packages", {compiled_decode.detached_config(config): tuple(packages)})
-    compiled_decode.compile_after_exit(config)
+    compiled_decode.compile_after_exit(config, tuple(packages))
     for f, a, kw in due:
         f(*a, **kw)
     return started

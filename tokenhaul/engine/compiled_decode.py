@@ -102,7 +102,6 @@ class CompiledDecode:
         key = self._key(config)
         self.paths = {B: Path(os.environ["TORCHINDUCTOR_CACHE_DIR"]) / f"tokenhaul-decode-{key}-b{B}.pt2"
                       for B in batch_sizes}
-        _packages[detached_config(config)] = tuple(self.paths.values())  # compile_after_exit's to check
         self.slots = tensor_slots(model)
         self._cache = [s.get() for s in tensor_slots(kv)]  # a call's inputs after the step's four
         self._fns: dict[int, Step] = {}
@@ -222,13 +221,14 @@ def _hold(path: Path) -> int | None:
     return fd
 
 
-def compile_after_exit(config: EngineConfig) -> None:
+def compile_after_exit(config: EngineConfig, packages: tuple[Path, ...]) -> None:
     """When this process exits, start a detached, low-priority process that compiles this config's decode step
-    and saves it for the next start (at exit, so it never competes with the run that asked for it)."""
+    into `packages` (CompiledDecode.paths) for the next start (at exit, so it never competes with the run that
+    asked for it)."""
     cfg = detached_config(config)
     if cfg not in _after_exit:
         _after_exit.add(cfg)
-        atexit.register(_spawn, cfg, _packages.get(cfg, ()))
+        atexit.register(_spawn, cfg, packages)
 
 
 def _spawn(cfg: str, packages: tuple[Path, ...]) -> None:
@@ -266,7 +266,6 @@ def main(argv: list[str]) -> None:
 
 
 _after_exit: set[str] = set()  # configs whose compile is already due at exit
-_packages: dict[str, tuple[Path, ...]] = {}  # detached_config → the packages its CompiledDecode looks for
 
 
 if __name__ == "__main__":

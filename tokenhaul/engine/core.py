@@ -116,7 +116,8 @@ class EngineCore:
             proposers["draft"] = DraftModel(draft_model, mirrors[0], config.device, draft_prefill_model)
         compiled = CompiledDecode(model, self.kv, config, cache_root()) if config.compiled_decode else None
         if compiled is not None and config.compile == "auto" and not compiled.cached:
-            compile_after_exit(config)  # this run stays eager; the next start loads the saved step
+            # this run stays eager; the next start loads the step compiled after it exits
+            compile_after_exit(config, tuple(compiled.paths.values()))
             compiled = None
         self.runner = ModelRunner(model, self.kv, config.device, mirrors, config.deterministic, compiled)
         self.decoder = Decoder(proposers, max_len, config.speculative_max_batch)
