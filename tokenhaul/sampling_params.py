@@ -109,6 +109,11 @@ class SamplingParams:
              "use_beam_search does not combine with speculative, penalties, logit_bias, min_tokens, allowed_token_ids, "
              "bad_words, logprobs or "
              "prompt_logprobs (beams carry scores) or stop strings (beams end at stop_token_ids and EOS)"),
+            (not self.use_beam_search or ((self.greedy or self.temperature == 1.0) and self.top_k == 0
+                                          and self.top_p == 1.0 and self.min_p == 0.0 and self.seed is None),
+             "use_beam_search does not combine with temperature, top_k, top_p, min_p or seed (beams are chosen "
+             "by their logprobs, deterministically): temperature must be 0 (or unset), top_k 0 or -1, top_p 1, "
+             "min_p 0, and seed unset"),
         ]
         for ok, msg in checks:
             if not ok:

@@ -158,6 +158,19 @@ def test_refused_combinations(kw):
         SamplingParams(use_beam_search=True, **kw)
 
 
+@pytest.mark.parametrize("kw", [dict(temperature=1.5), dict(temperature=0.5), dict(top_k=3), dict(top_p=0.9),
+                                dict(min_p=0.1), dict(seed=1), dict(seed=0)])
+def test_sampling_knobs_are_refused_not_ignored(kw):
+    """Beams are picked by their logprobs, deterministically: temperature, top_k, top_p, min_p and seed changed
+    nothing and were accepted silently. Now one error names them; at their defaults (temperature 0 too) they pass."""
+    with pytest.raises(RequestError, match=r"^use_beam_search does not combine with temperature, top_k, top_p, "
+                                           r"min_p or seed .*temperature must be 0 \(or unset\)"):
+        SamplingParams(use_beam_search=True, beam_width=3, **kw)
+    for ok in (dict(temperature=0), dict(temperature=1.0), dict(top_k=0), dict(top_k=-1), dict(top_p=1.0),
+               dict(min_p=0.0), dict(seed=None)):
+        assert SamplingParams(use_beam_search=True, beam_width=3, **ok).use_beam_search
+
+
 def test_n_bounds_and_the_core_refuses_sampled_n():
     """n > 1 samples are fanned out by the front end; the core itself takes n > 1 only as beams."""
     for bad in (0, 129, 2.0):
