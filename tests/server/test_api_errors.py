@@ -111,6 +111,8 @@ BAD = [
     (CMPL, {"prompt": "x", "truncate_prompt_tokens": 0}, 400, "truncate_prompt_tokens", None),
     (CMPL, {"prompt": "x", "bad_words": ["no"] * 1025}, 400, "bad_words", "too_long"),
     (CHAT, {"messages": USER, "bad_words": ["no"], "use_beam_search": True}, 400, None, None),
+    (CMPL, {"prompt": "x", "use_beam_search": True, "seed": 1}, 400, None, None),  # beams ignore sampling knobs
+    (CHAT, {"messages": USER, "use_beam_search": True, "temperature": 1.5}, 400, None, None),
     (CMPL, {"prompt": "x", "guided_whitespace_pattern": " "}, 400, "guided_whitespace_pattern", None),
     (CMPL, {"prompt": "x", "logits_processors": ["m.f"]}, 400, "logits_processors", None),  # vLLM extras not served
     (CHAT, {"messages": USER, "logits_processors": [{"qualname": "m.f"}]}, 400, "logits_processors", None),
