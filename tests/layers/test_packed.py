@@ -487,7 +487,7 @@ def test_auto_choices_and_one_line_fallback(capsys):
         lin = make.linear(name, [gguf_weight(Q.Q2_K, 64, 256)])
         assert lin.format == "dense"
     err = capsys.readouterr().err.strip().splitlines()
-    assert err == ["tokenhaul: no packed kernel for GGUF type Q2_K; dequantized to bfloat16"]
+    assert err == ["tokenhaul: no packed kernel for GGUF type Q2_K; dequantized to bf16"]  # as --dtype says it
     exact = LinearFactory(QuantSpec("auto"), torch.float32)  # fp32 + auto: the exact path
     assert exact.linear("a", [gguf_weight(Q.Q4_1, 64, 256)]).format == "dense"
 

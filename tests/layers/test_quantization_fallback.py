@@ -29,3 +29,14 @@ def test_linears_left_dense_are_named_once_per_load(capsys):
 def test_every_linear_packed_says_nothing(capsys):
     assert _load("int4:32", capsys) == ""
     assert _load("none", capsys) == ""
+
+
+def test_a_cpu_without_the_int4_layout_is_named_not_the_widths(capsys, monkeypatch):
+    """On a scalar torch build (no AVX2 / AVX-512: block_n() is None) every int4 linear stays dense whatever its
+    width: the line says so instead of blaming input widths that int4:32 takes."""
+    from tokenhaul.layers import linear_int4
+
+    monkeypatch.setattr(linear_int4, "block_n", lambda: None)
+    err = _load("int4:32", capsys)
+    assert err == "tokenhaul: --quantization int4:32: 9 of 9 linears kept dense bf16 (torch's CPU int4 layout " \
+                  "needs AVX2 or AVX-512; this build has neither)\n"

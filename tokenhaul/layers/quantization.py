@@ -30,6 +30,11 @@ _DTYPE_NAMES = {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "f
 _WIDTH = {"int4": 0, "int8": 1, "dense": 2}
 
 
+def dtype_name(dtype: torch.dtype) -> str:
+    """A dtype as --dtype spells it (bf16, fp16, fp32)."""
+    return _DTYPE_NAMES.get(dtype, str(dtype).removeprefix("torch."))
+
+
 @dataclass(frozen=True)
 class QuantSpec:
     mode: str = "auto"  # auto | none | int8 | int4
@@ -75,6 +80,7 @@ class LinearFactory:
         self.made: list[Linear | Embedding] = []  # everything made, in order (layers/weight_block.py)
         self._warned: set[str] = set()
         self._fallbacks: list[int] = []  # input widths of linears asked for a format its kernel cannot take
+        self._no_layout = 0  # linears asked for int4 on a CPU build without torch's int4 layout
         self._linears = 0
 
     @classmethod
@@ -97,14 +103,16 @@ class LinearFactory:
         if p.qtype not in AUTO and p.type_name not in self._warned:
             self._warned.add(p.type_name)
             print(f"tokenhaul: no packed kernel for GGUF type {p.type_name}; dequantized to "
-                  f"{str(self.dtype).removeprefix('torch.')}", file=sys.stderr)
+                  f"{dtype_name(self.dtype)}", file=sys.stderr)
         return AUTO.get(p.qtype, ("dense", None))
 
     def linear(self, name: str, parts: list[Part], bias: torch.Tensor | None = None) -> Linear:
         fmt, group = self.choose(parts)
         self._linears += 1
         if not FORMATS[fmt].supports(parts[0].shape[1], group):
-            if self.spec.mode == fmt:
+            if self.spec.mode == fmt and fmt == "int4" and linear_int4.block_n() is None:
+                self._no_layout += 1
+            elif self.spec.mode == fmt:
                 self._fallbacks.append(parts[0].shape[1])
             fmt, group = "dense", None
         if fmt != "dense" and name in self.cache and self.cache[name][0] == fmt:
@@ -120,14 +128,18 @@ class LinearFactory:
 
     def say_fallbacks(self) -> None:
         """One stderr line once the model is built: how many linears asked for --quantization int4/int8 stayed
-        dense because the kernel cannot take their input width."""
-        if not self._fallbacks:
+        dense, and why (the kernel cannot take their input width, or this CPU has no int4 layout)."""
+        if not self._fallbacks and not self._no_layout:
             return
         spec, group = self.spec, self.spec.group
-        groups = f" for groups of {group}" if group else ""
-        print(f"tokenhaul: --quantization {spec}: {len(self._fallbacks)} of {self._linears} linears kept dense "
-              f"{_DTYPE_NAMES.get(self.dtype, str(self.dtype))} (no {spec.mode} kernel{groups} at input width "
-              f"{', '.join(map(str, sorted(set(self._fallbacks))))})", file=sys.stderr)
+        if self._no_layout:
+            kept, why = self._no_layout, "torch's CPU int4 layout needs AVX2 or AVX-512; this build has neither"
+        else:
+            groups = f" for groups of {group}" if group else ""
+            kept, why = len(self._fallbacks), (f"no {spec.mode} kernel{groups} at input width "
+                                              f"{', '.join(map(str, sorted(set(self._fallbacks))))}")
+        print(f"tokenhaul: --quantization {spec}: {kept} of {self._linears} linears kept dense "
+              f"{dtype_name(self.dtype)} ({why})", file=sys.stderr)
 
     def embedding(self, table: Part) -> Embedding:
         if isinstance(table, GGUFWeight) and not self.exact:
