@@ -21,7 +21,8 @@ from tokenhaul.decoding.decoder import Decoder, Verdict
 from tokenhaul.decoding.grammar import GrammarCompiler
 from tokenhaul.decoding.prompt_logprobs import collect as collect_prompt_logprobs
 from tokenhaul.decoding.speculative import DraftModel, check_pair
-from tokenhaul.engine.compiled_decode import CompiledDecode, compile_after_exit
+from tokenhaul.engine.compiled_decode import CompiledDecode
+from tokenhaul.engine.detached_compile import compile_after_exit
 from tokenhaul.engine.messages import CoreLimits, CoreStats, RequestDelta
 from tokenhaul.engine.request import Request, Status
 from tokenhaul.engine.runner import ModelRunner

@@ -169,8 +169,10 @@ class Int4Linear(Linear):
         elif self.max_rows is not None and x.shape[0] <= self.gemv_rows:
             m = x.shape[0]
             if m < self.min_rows:  # pinned to rows that sum as in any batch: zero rows make up the rest
-                xb = F.pad(xb, (0, 0, 0, self.min_rows - m))
-            y = torch.ops.tokenhaul_int4.gemv(xb, self.weight, self.scales_zeros, self.group, self.block)[:m]
+                y = torch.ops.tokenhaul_int4.gemv(F.pad(xb, (0, 0, 0, self.min_rows - m)), self.weight,
+                                                  self.scales_zeros, self.group, self.block)[:m]
+            else:
+                y = torch.ops.tokenhaul_int4.gemv(xb, self.weight, self.scales_zeros, self.group, self.block)
         elif self.cuda:
             y = torch.ops.aten._weight_int4pack_mm(xb, self.weight, self.group, self.scales_zeros)
         else:
