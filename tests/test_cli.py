@@ -440,3 +440,19 @@ def test_help_lists_every_command():
     sub = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction))
     assert {c.split()[0] for c in listed} == set(sub.choices)
     assert "bench serve" in listed and "eval ppl" in listed and "calibrate-sparsity" in listed
+
+
+def test_whatif_plots_with_replay_is_refused_and_leaves_no_directory(capsys, tmp_path):
+    """--replay draws nothing: --plots beside it is one line, and no directory is made for plots never drawn."""
+    out = tmp_path / "a" / "plots"
+    with pytest.raises(SystemExit) as e:
+        main(["whatif", "--plots", str(out), "--replay", str(tmp_path / "steps.jsonl")])
+    assert e.value.code == 2 and capsys.readouterr().err.count("\n") == 1 and not (tmp_path / "a").exists()
+
+
+def test_whatif_plots_dir_is_made_only_by_a_run_that_gets_to_the_plots(capsys, tmp_path):
+    """The directory is checked before any work but a run that fails (an unknown profile) leaves none behind."""
+    out = tmp_path / "a" / "plots"
+    with pytest.raises(SystemExit) as e:
+        main(["whatif", "--hardware", "nope", "--plots", str(out)])
+    assert e.value.code == 2 and "nope" in capsys.readouterr().err and not (tmp_path / "a").exists()

@@ -39,7 +39,10 @@ def cmd_whatif(args: argparse.Namespace) -> None:
     from tokenhaul.whatif.modelspec import load_model_config
     from tokenhaul.whatif.workload import Workload, parse_decoding, predict
 
-    plots = plots_dir(args.plots) if args.plots else None  # checked before any work, as trace's --out
+    if args.plots and args.replay:
+        raise TokenhaulError("--plots draws a workload's predictions; --replay compares a traced run's steps and "
+                             "draws nothing: give one of them")
+    plots = plots_dir(args.plots) if args.plots else None  # checked before any work, made only to write the plots
     o = workload_options(args)
     name, cfg = load_model_config(o["model"])
     w = Workload(name, cfg, args.batch, args.context, args.new_tokens, o["quantization"], o["kv_dtype"],
@@ -63,18 +66,24 @@ def cmd_whatif(args: argparse.Namespace) -> None:
     else:
         _print(report.text(preds))
     if plots is not None:
+        plots.mkdir(parents=True, exist_ok=True)
         paths = report.plots(preds, plots)
         print("plots: " + ", ".join(map(str, paths)), file=sys.stderr)
 
 
 def plots_dir(path: str) -> Path:
-    """--plots as a directory this process can write into (made if missing)."""
+    """--plots as a directory this process can write into: made to check, then the directories made here are
+    removed again (the plots make it once the work is done, so a failed run leaves nothing behind)."""
     out = Path(path)
+    made = [p for p in (out, *out.parents) if not p.exists()]
     try:
         out.mkdir(parents=True, exist_ok=True)
     except OSError as e:  # FileExistsError: a file of that name; else a missing or unwritable parent
         raise TokenhaulError(f"--plots {out}: cannot be made a directory for the plots ({e.strerror})") from None
-    if not os.access(out, os.W_OK | os.X_OK):
+    writable = os.access(out, os.W_OK | os.X_OK)
+    for p in made:  # deepest first
+        p.rmdir()
+    if not writable:
         raise TokenhaulError(f"--plots {out}: the directory is not writable")
     return out
 
