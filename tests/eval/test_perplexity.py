@@ -65,20 +65,17 @@ def test_int8_kv_decode_tail_stays_close(tiny_core):
 
 
 @pytest.mark.parametrize("sparsity", [0.0, 0.4])
-def test_eval_ppl_names_its_sparsity(monkeypatch, capsys, sparsity):
+def test_eval_ppl_names_its_sparsity(sparsity):
     """The text line and --json say the activation sparsity the perplexity was measured at."""
-    import json
+    from tokenhaul.cli import build_parser
+    from tokenhaul.cli.eval_ppl import result, result_line
 
-    import tokenhaul.eval.perplexity as perplexity
-    import tokenhaul.llm as llm
-    from tokenhaul.cli import main
-
-    monkeypatch.setattr(llm, "LLM", lambda model, **kw: SimpleNamespace(files=SimpleNamespace(name=model), kw=kw))
-    monkeypatch.setattr(perplexity, "evaluate", lambda *a: {"perplexity": 9.5, "tokens": 100, "seconds": 1.0,
-                                                            "parts": {}})
-    args = ["eval", "ppl", "--model", "m", "--sparsity", str(sparsity)]
-    main(args + ["--json"])
-    assert json.loads(capsys.readouterr().out)["sparsity"] == sparsity
-    main(args)
-    out = capsys.readouterr().out
-    assert ("sparsity 0.4" in out) == (sparsity == 0.4) and "perplexity 9.5000" in out
+    args = build_parser().parse_args(["eval", "ppl", "--sparsity", str(sparsity), "--decode-tail", "8"])
+    measured = {"perplexity": 9.5, "tokens": 100, "seconds": 1.04,
+                "parts": {"en": {"perplexity": 9.25, "tokens": 60}, "code": {"perplexity": 9.875, "tokens": 40}}}
+    res = result(args, "smollm2-135m", measured)
+    assert res["sparsity"] == sparsity and res["decode_tail"] == 8 and res["perplexity"] == 9.5
+    sparse = " sparsity 0.4" if sparsity else ""
+    assert result_line(res) == (f"smollm2-135m {args.quantization} {args.dtype} kv {args.kv_dtype}{sparse}, last 8 "
+                                "of each window decoded: perplexity 9.5000 over 100 tokens [en 9.250 (60 tokens), "
+                                "code 9.875 (40 tokens)] in 1.0 s")

@@ -47,14 +47,21 @@ def cmd_eval_ppl(args: argparse.Namespace) -> None:
     kw = engine_kwargs(args) | {"max_num_batched_tokens": max(args.window, args.max_num_batched_tokens),
                                 "enable_prefix_caching": False}
     llm = LLM(args.model, **kw)
-    res = {"model": llm.files.name, "quantization": args.quantization, "dtype": args.dtype, "kv_dtype": args.kv_dtype,
-           "sparsity": args.sparsity, "decode_tail": args.decode_tail,
-           **evaluate(llm, args.corpus, args.max_tokens, args.window, stride, args.decode_tail)}
-    if args.json:
-        print(json.dumps(res))
-        return
+    res = result(args, llm.files.name, evaluate(llm, args.corpus, args.max_tokens, args.window, stride,
+                                                args.decode_tail))
+    print(json.dumps(res) if args.json else result_line(res))
+
+
+def result(args: argparse.Namespace, model: str, measured: dict) -> dict:
+    """The --json object: the run's model and byte-saving options, then evaluate()'s figures."""
+    return {"model": model, "quantization": args.quantization, "dtype": args.dtype, "kv_dtype": args.kv_dtype,
+            "sparsity": args.sparsity, "decode_tail": args.decode_tail, **measured}
+
+
+def result_line(res: dict) -> str:
+    """The one-line text form of `result`: options, perplexity, tokens, each corpus part and the time."""
     parts = ", ".join(f"{k} {v['perplexity']:.3f} ({v['tokens']} tokens)" for k, v in res["parts"].items())
-    tail = f", last {args.decode_tail} of each window decoded" if args.decode_tail else ""
-    sparse = f" sparsity {args.sparsity:g}" if args.sparsity else ""
-    print(f"{res['model']} {args.quantization} {args.dtype} kv {args.kv_dtype}{sparse}{tail}: perplexity "
-          f"{res['perplexity']:.4f} over {res['tokens']} tokens [{parts}] in {res['seconds']:.1f} s")
+    tail = f", last {res['decode_tail']} of each window decoded" if res["decode_tail"] else ""
+    sparse = f" sparsity {res['sparsity']:g}" if res["sparsity"] else ""
+    return (f"{res['model']} {res['quantization']} {res['dtype']} kv {res['kv_dtype']}{sparse}{tail}: perplexity "
+            f"{res['perplexity']:.4f} over {res['tokens']} tokens [{parts}] in {res['seconds']:.1f} s")
