@@ -12,6 +12,7 @@ import torch
 
 from tokenhaul.cli import main
 from tokenhaul.models import catalog
+from tokenhaul.outputs import BeamOutput, CompletionOutput, RequestOutput
 
 
 def run_cli(capsys, *argv) -> tuple[int, str, str]:
@@ -366,21 +367,8 @@ def test_trace_of_a_server_leaves_no_earlier_run_options(tmp_path, monkeypatch):
     assert (tmp_path / "steps.jsonl").exists() and not (tmp_path / "run.json").exists()
 
 
-class _FakeLLM:
-    """An LLM stand-in for the CLI's printing: generate returns `out` (no model loaded)."""
-
-    out = None
-
-    def __init__(self, *a, **kw) -> None:
-        self.config = SimpleNamespace()
-
-    def generate(self, prompt, params):
-        return [self.out]
-
-
-def _fake_output(beams: bool, n: int):
-    from tokenhaul.outputs import BeamOutput, CompletionOutput, RequestOutput
-
+def _outputs(beams: bool, n: int) -> RequestOutput:
+    """A finished request's output with n samples, or n beams."""
     outs = [CompletionOutput(k, f"text {k + 1}", [k], None, None, "length") for k in range(n)]
     out = RequestOutput("r", [1], [0], "text 1", finished=True, finish_reason="length", outputs=outs)
     if beams:
@@ -389,19 +377,17 @@ def _fake_output(beams: bool, n: int):
 
 
 @pytest.mark.parametrize("beams", [False, True])
-def test_generate_heads_every_output_when_there_are_several(capsys, monkeypatch, beams):
+def test_generate_heads_every_output_when_there_are_several(capsys, beams):
     """--n 2 (samples) and --use-beam-search --n 2 print a header before each output, the first one too; one
     output prints its text alone."""
-    monkeypatch.setattr("tokenhaul.llm.LLM", _FakeLLM)
-    flags = ["--use-beam-search", "--beam-width", "4"] if beams else []
-    _FakeLLM.out = _fake_output(beams, 2)
-    code, out, _ = run_cli(capsys, "generate", "--prompt", "Hi", "--n", "2", *flags)
+    from tokenhaul.cli.generate import print_outputs
+
+    print_outputs(_outputs(beams, 2))
     head = ["[beam 1] score -0.5000", "[beam 2] score -1.0000"] if beams else \
         ["[sample 1] finish=length", "[sample 2] finish=length"]
-    assert code == 0 and out == f"{head[0]}\ntext 1\n\n{head[1]}\ntext 2\n"
-    _FakeLLM.out = _fake_output(beams, 1)
-    code, out, _ = run_cli(capsys, "generate", "--prompt", "Hi", *flags)
-    assert code == 0 and out == "text 1\n"
+    assert capsys.readouterr().out == f"{head[0]}\ntext 1\n\n{head[1]}\ntext 2\n"
+    print_outputs(_outputs(beams, 1))
+    assert capsys.readouterr().out == "text 1\n"
 
 
 def test_models_list_names_only_known_models(capsys):

@@ -61,7 +61,7 @@ def cmd_generate(args: argparse.Namespace, chat: bool = False) -> None:
                                        "stop_reason": o.stop_reason} for o in out.outputs],
                           "ledger": out.ledger.summary() | {"load_seconds": load_s}}, ensure_ascii=False))
         return
-    _print_outputs(out)
+    print_outputs(out)
     for label, rows in (("prompt logprob", (prompt_logprobs or [None])[1:]), ("logprob", logprobs or [])):
         for e in rows:
             top = "  ".join(f"{llm.tokenizer.decode([t], skip_special_tokens=False)!r} {v:.3f}" for t, v in e["top"])
@@ -72,7 +72,7 @@ def cmd_generate(args: argparse.Namespace, chat: bool = False) -> None:
               f"finish={out.finish_reason}", file=sys.stderr)
 
 
-def _print_outputs(out: RequestOutput) -> None:
+def print_outputs(out: RequestOutput) -> None:
     """The text; with several beams or samples, each under a header (its number and score or finish reason)."""
     if out.beams is not None and len(out.beams) > 1:
         heads = [(f"[beam {i}] score {b.score:.4f}", b.text) for i, b in enumerate(out.beams, 1)]
