@@ -62,3 +62,24 @@ def test_same_text_cold_warm_streamed_and_batched():
     assert all(cold)
     assert warm == cold
     assert batched == cold
+
+
+@pytest.mark.real_model
+def test_greedy_speculation_gives_plain_greedys_tokens():
+    """Under --deterministic a verify step's rows get the bits a decode would: prompt lookup and Jacobi give
+    plain greedy's tokens and logprobs on the real model, where the default bf16 kernels let them part (the
+    compiled lone decode against eager verify rows)."""
+    from tokenhaul import LLM, SamplingParams
+
+    llm = LLM(MODEL, deterministic=True)
+    prompts = ["def fib(n):\n    if n < 2:\n        return n\n    return fib(n - 1) + fib(n - 2)\n\ndef fib2(n):\n",
+               "The cat sat on the mat. The cat sat on the mat. The dog", "用一句话介绍长城。用一句话介绍长城。"]
+
+    def run(speculative: str) -> list[list[tuple[int, float]]]:
+        sp = SamplingParams(max_tokens=32, temperature=0, ignore_eos=True, logprobs=0, speculative=speculative)
+        return [[(t, o.outputs[0].logprobs[i][t].logprob) for i, t in enumerate(o.outputs[0].token_ids)]
+                for o in llm.generate(prompts, sp)]
+
+    plain = run("off")
+    assert run("prompt_lookup") == plain
+    assert run("jacobi") == plain
