@@ -209,6 +209,23 @@ def test_decode_count_and_rate_cover_the_same_tokens(ledger_core):
     assert "of roofline" in line and "waiting on data" in line
 
 
+def test_prefill_count_and_rate_cover_the_same_tokens(ledger_core):
+    """The headline's prefill rate divides every token of prefill steps; where those steps computed more than the
+    prompts (a decode beside a prompt chunk) the line names both counts, so the rate is not read as the prompts'."""
+    core, ledger = ledger_core(max_num_batched_tokens=8)
+    params = SamplingParams(max_tokens=6, temperature=0, ignore_eos=True)
+    core.add_request("a", list(range(1, 4)), params)
+    core.step()
+    core.add_request("b", list(range(10, 30)), params)  # chunked beside a's decodes
+    while core.has_unfinished():
+        core.step()
+    s = ledger.summary(ROOF)
+    assert s["prompt_tokens"] == 23 < s["prefill_computed_tokens"] == ledger.prefill.tokens
+    assert s["prefill_tokens_per_s"] == pytest.approx(ledger.prefill.tokens / ledger.prefill.seconds)
+    line = ledger.short_line(ROOF)
+    assert line.startswith(f"prefill 23 prompt tok ({ledger.prefill.tokens} computed in prefill steps @ "), line
+
+
 def test_no_decode_figures_without_decode_steps(ledger_core):
     """max_tokens 1: every token is sampled in a prefill step; the line shows no decode rate, bytes per token,
     roofline or data wait (the prefill's were shown as if they were decode's)."""

@@ -302,6 +302,7 @@ class Ledger:
             "prompt_tokens": self.prompt_tokens,  # computed from prompts (recompute and prefix hits excluded)
             "generated_tokens": p.sampled + d.sampled,
             "decode_tokens": d.sampled,  # of which sampled in decode steps: the tokens decode_tokens_per_s counts
+            "prefill_computed_tokens": p.tokens,  # every token of prefill steps: the tokens the rate divides
             "prefill_tokens_per_s": _rate(p.tokens, p.seconds),
             "decode_tokens_per_s": _rate(d.sampled, d.seconds),
             "weight_bytes_per_token": d.costs.weight_bytes / per_tok if d.sampled else 0.0,
@@ -333,12 +334,16 @@ class Ledger:
         }
 
     def short_line(self, roofline: Roofline | None = None) -> str:
-        """One line: prefill rate; tokens generated and the rate of those sampled in decode steps (steps computing
-        no prompt positions: each request's first token, and any sampled beside a prompt chunk, come from prefill
-        steps); decode's bytes per token and roofline position, when there was a decode step."""
+        """One line: prompt tokens and the rate of prefill steps (with that rate's own count where those steps
+        computed more: decodes beside a prompt chunk, recomputes); tokens generated and the rate of those sampled
+        in decode steps (steps computing no prompt positions: each request's first token, and any sampled beside
+        a prompt chunk, come from prefill steps); decode's bytes per token and roofline position, when there was a
+        decode step."""
         s = self.summary(roofline)
-        line = (f"prefill {s['prompt_tokens']} tok @ {s['prefill_tokens_per_s']:.0f} tok/s | "
-                f"{s['generated_tokens']} tok generated")
+        prompt, computed, rate = s["prompt_tokens"], s["prefill_computed_tokens"], s["prefill_tokens_per_s"]
+        prefill = f"prefill {prompt} tok @ {rate:.0f} tok/s" if computed == prompt else (
+            f"prefill {prompt} prompt tok ({computed} computed in prefill steps @ {rate:.0f} tok/s)")
+        line = f"{prefill} | {s['generated_tokens']} tok generated"
         if not self.decode.steps:
             return line + ", no decode steps"
         return (f"{line}: {s['decode_tokens']} in decode steps @ {s['decode_tokens_per_s']:.1f} tok/s | "
