@@ -207,8 +207,8 @@ def test_draft_quantization_default_is_int4_under_bf16_only():
 
 
 class Oracle:
-    """Drafts the known greedy continuation, so every draft is accepted (a stand-in for prompt lookup or
-    Jacobi on text they guess right)."""
+    """Drafts the known greedy continuation, so every draft is accepted: a proposer that is always right,
+    to force a run of accepted drafts wherever the test wants one."""
 
     writes_kv = False
 
@@ -227,26 +227,55 @@ class Oracle:
         pass
 
 
-@pytest.mark.parametrize("spec", ["prompt_lookup", "jacobi", "draft"])
+def _stop_case(proposer: str) -> tuple[list[int], list[int], list[int], int]:
+    """(prompt, its greedy continuation, stop indices, drafts accepted in the run) for one proposer.
+
+    oracle and draft: prompts(1)'s first prompt, 8 drafts accepted in the first speculative step (the oracle
+    drafts the continuation; the draft model is the target itself). prompt_lookup, for real: a repeated base
+    plus the tiny model's own first 23 greedy tokens after it (base found by searching prompts shaped as
+    prompts()'s), where its text repeats itself: the lookup drafts the 6 tokens that followed the latest
+    match of the last 3-gram and the target agrees with all 6. The random model does not copy the repeated
+    base itself (it rarely continues a repeat), so prompts() alone gives no such run."""
+    from tokenhaul.decoding.prompt_lookup import lookup
+
+    if proposer == "prompt_lookup":
+        base = [45, 17, 36, 17, 72, 4]
+        start = base * 3 + base[:2]
+        prompt = start + run_requests(core_with(), [start], greedy(max_tokens=23))[0]
+    else:
+        prompt = prompts(1)[0]
+    plain = run_requests(core_with(), [prompt], greedy(max_tokens=24))[0]
+    if proposer != "prompt_lookup":  # the first run: out[2:10] (the draft model starts a step late)
+        return prompt, plain, [i for i in range(2, 7) if plain[i] not in plain[:i]], 8
+    drafts = lookup(prompt + plain[:1], 8)  # the first run: out[1:7]
+    run = next(i for i, (d, t) in enumerate(zip(drafts + [-1], plain[1:] + [-2])) if d != t)
+    assert run == len(drafts) == 6, (drafts, plain)  # the case under test: a run the target accepts
+    return prompt, plain, [i for i in range(1, run - 1) if plain[i] not in plain[:i]], run
+
+
+@pytest.mark.parametrize("proposer", ["oracle", "draft", "prompt_lookup"])
 @pytest.mark.parametrize("stop", ["stop_token", "eos"])
-def test_a_stop_inside_a_run_of_accepted_drafts_ends_the_request_there(spec, stop):
+def test_a_stop_inside_a_run_of_accepted_drafts_ends_the_request_there(proposer, stop):
     """A stop token among accepted drafts, 2+ places before the run's end: the request ends at it (was: the
     positions past the stop counted as computed, and the prefix cache's register raised IndexError, aborting
-    the batch). Only blocks of the request's own tokens are cached, and every block comes back."""
+    the batch). Only blocks of the request's own tokens are cached, and every block comes back.
+
+    oracle: the Oracle above in the prompt_lookup slot (the name only picks the slot), drafting the known
+    greedy continuation; draft: the real draft model (the target's own weights); prompt_lookup: the real
+    n-gram lookup on a prompt whose continuation it drafts right (see _stop_case)."""
     from tokenhaul.kv.prefix_cache import chain_hashes
 
-    prompt = prompts(1)[0]
-    plain = run_requests(core_with(), [prompt], greedy(max_tokens=24))[0]
-    stops = [i for i in range(2, 7) if plain[i] not in plain[:i]]  # inside the first run of 8 accepted drafts
+    prompt, plain, stops, run = _stop_case(proposer)
     assert len(stops) >= 2
     for i in stops:
         tok = plain[i]
         cfg = EngineConfig(model="tiny", dtype="fp32", num_kv_blocks=64, block_size=4)
-        core = EngineCore(cfg, tiny_model(), draft_model=tiny_model() if spec == "draft" else None)
-        if spec != "draft":
-            core.decoder.proposers[spec] = Oracle(prompt + plain)
+        core = EngineCore(cfg, tiny_model(), draft_model=tiny_model() if proposer == "draft" else None)
+        if proposer == "oracle":
+            core.decoder.proposers["prompt_lookup"] = Oracle(prompt + plain)
         core.observer = counter = SpecCounter()
-        params = SamplingParams(max_tokens=24, temperature=0, speculative=spec, num_speculative_tokens=8,
+        params = SamplingParams(max_tokens=24, temperature=0, num_speculative_tokens=8,
+                                speculative="draft" if proposer == "draft" else "prompt_lookup",
                                 stop_token_ids=[tok] if stop == "stop_token" else [])
         core.add_request("r", prompt, params, (tok,) if stop == "eos" else ())
         out, reason = [], None
@@ -255,7 +284,7 @@ def test_a_stop_inside_a_run_of_accepted_drafts_ends_the_request_there(spec, sto
                 out += d.new_token_ids
                 reason = d.finish_reason if d.finished else reason
         assert out == plain[:i + 1] and reason == "stop"
-        assert counter.accepted >= 8 and counter.rejected == 0  # the stop came inside a run of accepted drafts
+        assert counter.accepted == counter.proposed == run  # one step, the stop inside its run of accepted drafts
         assert core.pool.num_used == 0
         own = set(chain_hashes(prompt + out, 4, []))
         assert {h for h, _ in core.prefix_cache._content.values()} <= own
