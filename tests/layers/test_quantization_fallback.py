@@ -40,3 +40,24 @@ def test_a_cpu_without_the_int4_layout_is_named_not_the_widths(capsys, monkeypat
     err = _load("int4:32", capsys)
     assert err == "tokenhaul: --quantization int4:32: 9 of 9 linears kept dense bf16 (torch's CPU int4 layout " \
                   "needs AVX2 or AVX-512; this build has neither)\n"
+
+
+def test_auto_without_the_int4_layout_says_so(capsys, monkeypatch):
+    """--quantization auto (the default) picks int4 for GGUF 4-bit blocks; on a CPU with no int4 layout those
+    linears stay dense, and the load says so in one line instead of silently reading 3-4x the bytes."""
+    import numpy as np
+    from gguf import GGMLQuantizationType as Q
+    from gguf.quants import quantize
+
+    from tokenhaul.layers import linear_int4
+    from tokenhaul.layers.gguf_weight import GGUFWeight
+
+    monkeypatch.setattr(linear_int4, "block_n", lambda: None)
+    make = LinearFactory(QuantSpec.parse("auto"), torch.bfloat16)
+    data = quantize(np.random.default_rng(0).standard_normal((64, 256), dtype=np.float32) * 0.1, Q.Q4_0)
+    lin = make.linear("a", [GGUFWeight(Q.Q4_0, (64, 256), data.reshape(64, -1))])
+    make.linear("b", [torch.randn(32, 256)])  # a float tensor: dense by choice, not a fallback
+    make.say_fallbacks()
+    assert lin.format == "dense"
+    assert capsys.readouterr().err == "tokenhaul: --quantization auto: 1 of 2 linears kept dense bf16 (torch's " \
+                                      "CPU int4 layout needs AVX2 or AVX-512; this build has neither)\n"

@@ -110,7 +110,7 @@ class LinearFactory:
         fmt, group = self.choose(parts)
         self._linears += 1
         if not FORMATS[fmt].supports(parts[0].shape[1], group):
-            if self.spec.mode == fmt and fmt == "int4" and linear_int4.block_n() is None:
+            if fmt == "int4" and linear_int4.block_n() is None:  # asked for, or auto's pick for GGUF 4-bit blocks
                 self._no_layout += 1
             elif self.spec.mode == fmt:
                 self._fallbacks.append(parts[0].shape[1])
@@ -127,8 +127,9 @@ class LinearFactory:
         return lin
 
     def say_fallbacks(self) -> None:
-        """One stderr line once the model is built: how many linears asked for --quantization int4/int8 stayed
-        dense, and why (the kernel cannot take their input width, or this CPU has no int4 layout)."""
+        """One stderr line once the model is built: how many linears asked for --quantization int4/int8 (or given
+        int4 by auto) stayed dense, and why (the kernel cannot take their input width, or this CPU has no int4
+        layout: ARM and scalar torch builds)."""
         if not self._fallbacks and not self._no_layout:
             return
         spec, group = self.spec, self.spec.group
