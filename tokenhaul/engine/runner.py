@@ -126,9 +126,9 @@ class ModelRunner:
             shapes.append((q_len, [c.start + q_len for c in chunks]))
         if graph:
             return self._compiled_input(ids, pos, slot_parts[0], groups[0].block_table, sample_chunks, shapes)
-        in_place = self._direct_decodes and self.per_query  # every query through the kernel, not only decodes
+        in_place = self._direct_decodes  # queries the kernel reads (decodes; all under --deterministic): no views
         view_slots = sum(g.block_table.shape[1] * bs for g in groups
-                         if g.block_start is not None and not (self._direct_decodes and (g.q_len == 1 or in_place)))
+                         if g.block_start is not None and not (in_place and (g.q_len == 1 or self.per_query)))
         dev = self.device
         meta = AttentionMetadata(torch.tensor(pos, dtype=torch.long).to(dev), torch.cat(slot_parts).to(dev),
                                  [self._to(g) for g in groups], len(ids), self.per_query)

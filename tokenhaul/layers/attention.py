@@ -75,7 +75,6 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     float copy), prefill chunks dequantize the step's blocks on read. Bf16 caches' decodes are read by the same
     kernel (eager and compiled), and under --deterministic their prefill queries too, each as a row of its own;
     fp32 ones (the exact path) go through SDPA (one query a row under --deterministic)."""
-    Hkv = k_cache.shape[2]
     _write(k_cache, meta.slot_mapping, k)
     _write(v_cache, meta.slot_mapping, v)
     T, H, D = q.shape
@@ -87,16 +86,13 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
         qg = q if g.token_index is None else q[g.token_index]
         fold = g.q_len == 1 and not meta.per_query
         mask = g.mask_local if sliding else g.mask
-        if kernel and meta.per_query:
-            o = _kernel_rows(qg, g, k_cache, v_cache, mask, scale)
-        elif fold and kernel:
+        if kernel and (g.q_len == 1 or meta.per_query):
             # the C++ kernel reads the blocks through the table (int8: scales applied inside): no float copy, and
-            # each sequence's chunks come from its own mask row, so a row's numbers do not depend on its batch.
-            # Int8 and bf16 decodes; inside the compiled graph up to 2.1x inductor's fused reductions
-            # (bench/compiled_attention.py); in eager batched steps 1.00-1.52x SDPA over gathered copies
-            # (bench/eager_decode_attention.py)
-            o = decode_attention.decode(qg.view(g.batch, Hkv, H // Hkv, D), k_cache, v_cache, g.block_table, mask,
-                                        scale).reshape(g.batch, H * D).to(q.dtype)
+            # each query's chunks come from its own mask row, so a row's numbers do not depend on its batch.
+            # Decodes (eager and compiled), and under --deterministic prefill queries too; inside the compiled
+            # graph up to 2.1x inductor's fused reductions (bench/compiled_attention.py); in eager batched steps
+            # 1.00-1.52x SDPA over gathered copies (bench/eager_decode_attention.py)
+            o = _kernel_rows(qg, g, k_cache, v_cache, mask, scale)
         elif fold and meta.traced:
             o = _decode_traced(qg, k_cache, v_cache, g, mask, scale)
         else:
@@ -136,8 +132,8 @@ def _sdpa(qg: torch.Tensor, g: AttnGroup, k_cache: torch.Tensor | Int8Blocks, v_
 
 def _kernel_rows(qg: torch.Tensor, g: AttnGroup, k_cache: torch.Tensor | Int8Blocks,
                  v_cache: torch.Tensor | Int8Blocks, mask: torch.Tensor | None, scale: float) -> torch.Tensor:
-    """Batch-invariant attention through the decode kernel (--deterministic): every query, of a decode or of a
-    prefill chunk, is a row of its own with its sequence's table and its own mask row, so its keys split into the
+    """Attention through the decode kernel: every query, of a decode or (--deterministic) of a prefill chunk, is a
+    row of its own with its sequence's table and its own mask row, so its keys split into the
     same chunks, merged in the same order, wherever it is computed. qg: [B * Q, H, D]. Returns [B * Q, H * D]."""
     T, H, D = qg.shape
     Hkv = k_cache.shape[2]
